@@ -1,0 +1,96 @@
+"""Shared pieces of the benchmarks: timing, hardware ceilings measured in the same run, the result table.
+
+Benchmarks import only torch (and the peer they measure), so `python -m moerl.cli bench ...` runs on a GPU
+host that has nothing of ours installed but this source tree.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds per call. CUDA: events around each call; CPU: perf_counter."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
+    """FLOP/s of a large square matmul on random data: the practical ceiling for GEMM-bound code."""
+    if device.type != "cuda":
+        n = 1024
+        dtype = torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = time_fn(lambda: a @ b, device, warmup=3, iters=10)
+    return 2 * n**3 / seconds
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    if device.type != "cuda":
+        nbytes = 256 << 20
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = time_fn(lambda: dst.copy_(src), device, warmup=3, iters=10)
+    return 2 * nbytes / seconds
+
+
+@dataclass
+class Row:
+    metric: str
+    ours: float
+    peer: float | None = None
+    unit: str = ""
+    ceiling: float | None = None  # the hardware limit for `ours`, same unit: fraction = ours / ceiling
+    higher_is_better: bool = True
+
+
+def format_table(title: str, rows: list[Row], peer_name: str = "peer") -> str:
+    header = ["metric", "moerl", peer_name, "ratio", "of hw limit"]
+    lines = []
+    for r in rows:
+        ratio = ""
+        if r.peer is not None and r.peer > 0 and r.ours > 0:
+            ratio = f"{(r.ours / r.peer) if r.higher_is_better else (r.peer / r.ours):.2f}x"
+        frac = f"{100 * r.ours / r.ceiling:.1f}%" if r.ceiling else ""
+        peer = f"{r.peer:,.4g} {r.unit}" if r.peer is not None else "-"
+        lines.append([r.metric, f"{r.ours:,.4g} {r.unit}", peer, ratio, frac])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [title, fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*l) for l in lines]
+    return "\n".join(out)
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    import platform
+
+    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -1,0 +1,59 @@
+"""`moerl` command line: train, bench, demo. Subcommands import their parts lazily.
+
+    moerl demo                              # build the tiny demo MoE and generate (CPU)
+    moerl config configs/demo.toml --train.steps=20   # print the resolved config
+    moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
+    moerl bench dispatch [--help]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch"}
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: moerl bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 2
+    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0
+
+
+def _config(argv: list[str]) -> int:
+    from moerl.config import ConfigError, dump_toml, load_config
+
+    if not argv:
+        print("usage: moerl config CONFIG.toml [--section.key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        print(dump_toml(load_config(argv[0], argv[1:])), end="")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    from moerl.demo import main as demo_main
+
+    return demo_main(argv) or 0
+
+
+COMMANDS = {"bench": _bench, "config": _config, "demo": _demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("command", choices=sorted(COMMANDS))
+        parser.print_help()
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""The Qwen3-MoE policy model (Hugging Face weight format), with grouped experts and expert parallelism."""
+
+from moerl.model.build import build_model, init_weights
+from moerl.model.config import CheckpointError, MoEModelConfig, tiny_config
+from moerl.model.hf import load_pretrained, read_config, save_pretrained
+from moerl.model.transformer import CausalLMOutput, MoECausalLM
+
+__all__ = [
+    "CausalLMOutput", "CheckpointError", "MoECausalLM", "MoEModelConfig", "build_model", "init_weights",
+    "load_pretrained", "read_config", "save_pretrained", "tiny_config",
+]

@@ -1,0 +1,93 @@
+"""Run a function on every rank of a local gloo group (spawned processes), with every wait bounded.
+
+    run_ranks(world_size, fn, *args)   # calls fn(rank, world_size, *args) in each process
+
+`fn` must be a module-level function (spawn pickles it by name). Each worker writes a report file: "ok"
+or its traceback; the caller fails with every worker's traceback, and with the exit code of a worker
+that died or hung without one. Results travel through files that `fn` writes itself.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bootstrap(rank: int, world_size: int, port: int, report_dir: str, fn, args) -> None:
+    torch.set_num_threads(1)  # the ranks share two cores: one thread each avoids oversubscription
+    report = Path(report_dir) / f"rank{rank}"
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        fn(rank, world_size, *args)
+        text = "ok"
+    except BaseException:
+        text = traceback.format_exc()
+    tmp = report.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.rename(report)  # the parent never reads a half-written report
+    if dist.is_initialized() and text == "ok":
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, grace: float = 5.0) -> None:
+    """Spawn `world_size` ranks running fn; fail (with the workers' tracebacks) unless all report ok.
+
+    When one rank fails, the others are likely blocked in a collective that will never complete: they
+    get `grace` seconds to finish, then are terminated, rather than waiting for the gloo timeout.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="moerl-dist-") as report_dir:
+        port = free_port()
+        procs = [
+            ctx.Process(target=_bootstrap, args=(r, world_size, port, report_dir, fn, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        reports = [Path(report_dir) / f"rank{r}" for r in range(world_size)]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            failed = any(p.exitcode not in (None, 0) for p in procs) or any(
+                f.is_file() and f.read_text() != "ok" for f in reports
+            )
+            if failed and failed_at is None:
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                break
+            time.sleep(0.05)
+        for p in procs:  # only the processes started above
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        errors = []
+        for r, (p, f) in enumerate(zip(procs, reports)):
+            text = f.read_text() if f.is_file() else None
+            if text is None:
+                errors.append(f"rank {r}: no report (exit code {p.exitcode}; killed, crashed or timed out)")
+            elif text != "ok":
+                errors.append(f"rank {r} failed:\n{text}")
+        if errors:
+            pytest.fail("\n".join(errors), pytrace=False)

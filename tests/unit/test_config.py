@@ -1,0 +1,245 @@
+"""The typed config system: TOML files, dotted CLI overrides, error messages, round-trip, genericity."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from moerl.config import (
+    ConfigError,
+    MoerlConfig,
+    config_from_dict,
+    config_to_dict,
+    dump_toml,
+    load_config,
+    require,
+)
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------ a tiny ad-hoc schema (genericity)
+@dataclass
+class Inner:
+    ratio: float = 0.5
+    tags: list[str] = field(default_factory=list)
+    shape: tuple[int, ...] = (2, 3)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        require(self.ratio <= 1, "ratio", "must be <= 1")
+
+
+@dataclass
+class Outer:
+    label: str = "x"
+    limit: int | None = None
+    color: Literal["red", "blue"] = "red"
+    inner: Inner = field(default_factory=Inner)
+    env: dict[str, str] = field(default_factory=dict)
+    extra: Inner | None = None
+
+
+# ------------------------------------------------------------------------------------ loading
+def test_demo_toml_loads_with_its_values():
+    cfg = load_config(DEMO)
+    assert isinstance(cfg, MoerlConfig)
+    assert cfg.train.steps == 20
+    assert cfg.rollout.num_workers == 2
+    # Everything else in demo.toml equals the schema defaults.
+    expected = MoerlConfig()
+    expected.train.steps = 20
+    assert cfg == expected
+
+
+def test_no_path_means_defaults_and_checkpoint_dir_falls_back_to_run_dir():
+    cfg = load_config(None)
+    assert cfg == MoerlConfig()
+    assert cfg.run.device == "auto" and cfg.model.routing_replay is True and cfg.train.lr == 1e-4
+    assert cfg.checkpoint_dir() == "runs/demo/checkpoints"
+    assert load_config(None, ["--checkpoint.dir=/tmp/ck"]).checkpoint_dir() == "/tmp/ck"
+
+
+def test_file_sets_only_given_keys(tmp_path):
+    cfg = load_config(write(tmp_path, "[train]\nsteps = 7\n[model]\ncapacity_factor = 1.25\n"))
+    assert cfg.train.steps == 7 and cfg.model.capacity_factor == 1.25
+    assert cfg.train.lr == 1e-4 and cfg.rollout.num_workers == 2
+
+
+# ---------------------------------------------------------------------------------- overrides
+def test_overrides_of_each_scalar_type_win_over_the_file():
+    cfg = load_config(DEMO, [
+        "--train.steps=5",  # int
+        "train.lr=3e-5",  # float, without the leading dashes
+        "--rollout.temperature=2",  # int accepted for float
+        "--model.routing_replay=false",  # bool
+        "--run.device=cpu",  # Literal, bare word
+        "--model.dtype=\"bfloat16\"",  # Literal, quoted TOML string
+        "--run.name=2024",  # a str field keeps "2024" as a string
+        "--checkpoint.dir=s3://bucket/p",  # not a TOML literal: a plain string
+        "--ray.address=",  # empty string
+    ])
+    assert cfg.train.steps == 5
+    assert cfg.train.lr == 3e-5
+    assert cfg.rollout.temperature == 2.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.model.routing_replay is False
+    assert cfg.run.device == "cpu" and cfg.model.dtype == "bfloat16"
+    assert cfg.run.name == "2024"
+    assert cfg.checkpoint.dir == "s3://bucket/p"
+    assert cfg.ray.address == ""
+
+
+def test_bare_flag_sets_bool_true_and_later_override_wins():
+    assert load_config(DEMO, ["--run.deterministic"]).run.deterministic is True
+    assert load_config(DEMO, ["--train.steps=3", "--train.steps=4"]).train.steps == 4
+    with pytest.raises(ConfigError, match=r"'train.steps' needs a value"):
+        load_config(DEMO, ["--train.steps"])
+
+
+def test_overrides_on_generic_schema_optional_list_tuple_dict(tmp_path):
+    cfg = load_config(None, [
+        "--limit=12",  # Optional[int]
+        "--inner.tags=[\"a\", \"b\"]",  # list[str]
+        "--inner.shape=[4, 5, 6]",  # tuple[int, ...]
+        "--inner.weights.foo=0.25",  # dict[str, float], one entry
+        "--env.HF_HOME=/data/hf",  # dict[str, str], one entry
+        "--extra.ratio=0.75",  # Optional nested section that was None
+    ], cls=Outer)
+    assert cfg.limit == 12
+    assert cfg.inner.tags == ["a", "b"]
+    assert cfg.inner.shape == (4, 5, 6)
+    assert cfg.inner.weights == {"foo": 0.25}
+    assert cfg.env == {"HF_HOME": "/data/hf"}
+    assert cfg.extra == Inner(ratio=0.75)
+    path = write(tmp_path, "limit = 3\n")
+    assert load_config(path, ["--limit=none"], cls=Outer).limit is None
+    with pytest.raises(ConfigError, match=r"'inner.shape\[1\]' expects int, got 'x' \(str\)"):
+        load_config(None, ["--inner.shape=[1, \"x\"]"], cls=Outer)
+
+
+# ----------------------------------------------------------------------------------- errors
+def test_unknown_key_in_file_names_key_file_and_closest(tmp_path):
+    path = write(tmp_path, "[train]\nstpes = 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"unknown config key 'train.stpes' (in {path}); did you mean 'train.steps'?"
+
+
+def test_unknown_key_on_command_line_names_closest():
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, ["--rollout.num_wrokers=3"])
+    assert "unknown config key 'rollout.num_wrokers' (on the command line)" in str(err.value)
+    assert "did you mean 'rollout.num_workers'?" in str(err.value)
+    with pytest.raises(ConfigError, match=r"'train.num_workers'.*did you mean 'rollout.num_workers'"):
+        load_config(DEMO, ["--train.num_workers=3"])  # right name, wrong section
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.steps.x'"):
+        load_config(DEMO, ["--train.steps.x=1"])  # below a scalar
+
+
+def test_unknown_section_in_file_and_on_command_line(tmp_path):
+    path = write(tmp_path, "[trian]\nsteps = 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"unknown config section 'trian' (in {path}); did you mean 'train'?"
+    with pytest.raises(ConfigError, match=r"unknown config key 'trian.steps' .*did you mean 'train.steps'"):
+        load_config(None, ["--trian.steps=3"])
+
+
+def test_wrong_type_names_key_expected_type_and_value(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, ["--train.steps=2x"])
+    assert str(err.value) == "config key 'train.steps' expects int, got '2x' (str) from the command line"
+    path = write(tmp_path, "[rollout]\ntop_p = \"high\"\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"config key 'rollout.top_p' expects float, got 'high' (str) from {path}"
+
+
+def test_bool_rejected_for_int_and_float_but_int_accepted_for_float():
+    with pytest.raises(ConfigError, match=r"'train.steps' expects int, got True \(bool\)"):
+        load_config(None, ["--train.steps=true"])
+    with pytest.raises(ConfigError, match=r"'train.lr' expects float, got False \(bool\)"):
+        config_from_dict({"train": {"lr": False}}, MoerlConfig)
+    with pytest.raises(ConfigError, match=r"'train.steps' expects int, got 2.0 \(float\)"):
+        config_from_dict({"train": {"steps": 2.0}}, MoerlConfig)
+    cfg = config_from_dict({"train": {"lr": 1}, "model": {"capacity_factor": 2}}, MoerlConfig)
+    assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float and type(cfg.model.capacity_factor) is float
+
+
+def test_literal_error_lists_choices():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--run.device=gpu"])
+    assert "config key 'run.device' expects one of 'auto', 'cpu', 'cuda', got 'gpu' (str)" in str(err.value)
+    with pytest.raises(ConfigError, match=r"'train.mode' expects one of 'async', 'sync'"):
+        config_from_dict({"train": {"mode": "Async"}}, MoerlConfig)
+
+
+def test_validate_errors_name_the_key():
+    cases = {
+        "--rollout.top_p=1.5": "config key 'rollout.top_p' must be in (0, 1], got 1.5",
+        "--rollout.top_p=0": "config key 'rollout.top_p' must be in (0, 1], got 0.0",
+        "--rollout.num_workers=0": "config key 'rollout.num_workers' must be >= 1, got 0",
+        "--ep.size=0": "config key 'ep.size' must be >= 1, got 0",
+        "--model.capacity_factor=-1": "config key 'model.capacity_factor' must be >= 0 (0 = dropless), got -1.0",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(DEMO, [override])
+        assert str(err.value) == message
+    with pytest.raises(ConfigError, match=r"config key 'inner.ratio' must be <= 1, got 2.0"):
+        config_from_dict({"inner": {"ratio": 2}}, Outer)  # validate() of a generic nested section
+    assert config_from_dict({"inner": {"ratio": 2}}, Outer, validate=False).inner.ratio == 2.0
+
+
+def test_missing_file_and_malformed_toml_name_the_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as err:
+        load_config(missing)
+    assert str(err.value) == f"config file not found: {missing}"
+    bad = write(tmp_path, "[train]\nsteps = = 3\n", "bad.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert f"invalid TOML in config file {bad}" in str(err.value)
+    assert "line 2" in str(err.value)  # the parser's position
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        load_config(None, ["--train.nope=1"])
+
+
+# ------------------------------------------------------------------------------ round-trip
+def test_dump_load_round_trip_of_changed_schema_config(tmp_path):
+    cfg = load_config(DEMO, ["--train.lr=3.3e-7", "--run.name=a \"quoted\" \\ name\n", "--run.deterministic",
+                             "--checkpoint.dir=s3://b/p", "--model.dtype=float16", "--rollout.top_p=0.1"])
+    text = dump_toml(cfg)
+    assert "[train]\nsteps = 20\n" in text and 'dir = "s3://b/p"' in text
+    assert load_config(write(tmp_path, text)) == cfg
+
+
+def test_dump_load_round_trip_of_generic_schema(tmp_path):
+    cfg = Outer(label="tab\there", limit=None, color="blue",
+                inner=Inner(ratio=0.1, tags=["x", "é"], shape=(1,), weights={"a.b": 1.5, "plain": -2.0}),
+                env={"K": "v"}, extra=Inner(tags=[]))
+    text = dump_toml(cfg)
+    assert "limit" not in text  # None is omitted
+    assert load_config(write(tmp_path, text), cls=Outer) == cfg
+    assert config_to_dict(cfg)["inner"]["shape"] == [1]
+    assert config_from_dict(config_to_dict(cfg), Outer) == cfg
+
+
+def test_config_to_dict_is_plain_nested_dicts():
+    d = config_to_dict(MoerlConfig())
+    assert list(d) == [f.name for f in dataclasses.fields(MoerlConfig)]
+    assert d["train"]["steps"] == 50 and d["model"]["dispatcher"] == "auto"
+    assert all(isinstance(section, dict) for section in d.values())
