@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moerl.ep.permute import expand_tokens, gather_rows, sort_by_expert
+from moerl.ep.permute import combine_weighted, expand_tokens, sort_by_expert
 
 
 class Dispatcher(ABC):
@@ -66,17 +66,15 @@ class LocalHandle:
 def weighted_sum_over_slots(
     y_ND: torch.Tensor, order_M: torch.Tensor, num_kept: int, topk_weights_TK: torch.Tensor
 ) -> torch.Tensor:
-    """Un-sort rows back to (token, slot) order and reduce over the K slots with the router weights."""
-    T, K = topk_weights_TK.shape
-    D = y_ND.shape[-1]
-    num_dropped = T * K - num_kept
-    if num_dropped:
-        y_ND = torch.cat([y_ND, y_ND.new_zeros(num_dropped, D)])
-    inverse_M = torch.empty_like(order_M)
-    inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-    y_TKD = gather_rows(y_ND, inverse_M).view(T, K, D)
-    # bmm keeps the reduction in one kernel; weights are cast to the activation dtype as HF does.
-    return torch.bmm(topk_weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+    """Un-sort rows back to (token, slot) order and reduce over the K slots with the router weights.
+
+    y_ND holds the rows of the first `num_kept` entries of order_M (the kept pairs, sorted by expert).
+    """
+    if num_kept < y_ND.shape[0]:  # slicing only when needed: a no-op slice still costs a copy in backward
+        y_ND = y_ND[:num_kept]
+    if num_kept < order_M.shape[0]:
+        order_M = order_M[:num_kept]
+    return combine_weighted(y_ND, order_M, topk_weights_TK)
 
 
 class LocalDispatcher(Dispatcher):

@@ -16,6 +16,7 @@ from torch import nn
 
 from moerl.ep.dispatcher import Dispatcher, LocalDispatcher
 from moerl.ep.permute import count_per_expert
+from moerl.kernels import swiglu
 from moerl.model.config import MoEModelConfig
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
@@ -125,8 +126,7 @@ class GroupedExperts(nn.Module):
         if use_grouped:
             offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
             h_NF = torch._grouped_mm(x_ND, self.gate_up_proj.transpose(-2, -1), offs=offs_L)
-            gate_NI, up_NI = h_NF.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate_NI) * up_NI, self.down_proj.transpose(-2, -1), offs=offs_L)
+            return torch._grouped_mm(swiglu(h_NF), self.down_proj.transpose(-2, -1), offs=offs_L)
         return self._loop(x_ND, counts_L)
 
     def _grouped_mm_aligned(self, x_ND: torch.Tensor) -> bool:

@@ -75,6 +75,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, grace: float =
             if failed_at is not None and time.monotonic() - failed_at > grace:
                 break
             time.sleep(0.05)
+        timed_out = time.monotonic() >= deadline
         for p in procs:  # only the processes started above
             if p.is_alive():
                 p.terminate()
@@ -90,4 +91,6 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, grace: float =
             elif text != "ok":
                 errors.append(f"rank {r} failed:\n{text}")
         if errors:
+            if timed_out:
+                errors.insert(0, f"the {world_size} ranks did not finish within {timeout:.0f} s")
             pytest.fail("\n".join(errors), pytrace=False)
