@@ -34,7 +34,7 @@ def make_dispatcher(
         elif dist.get_backend(group) == "nccl":
             from moerl.ep.symm_mem import symm_mem_unavailable_reason
 
-            name = "symm_mem" if symm_mem_unavailable_reason() is None else "all_to_all"
+            name = "symm_mem" if symm_mem_unavailable_reason(group, num_experts) is None else "all_to_all"
         else:
             name = "all_to_all"
     if name == "local":
@@ -51,7 +51,7 @@ def make_dispatcher(
         return AllToAllDispatcher(num_experts, group)
     from moerl.ep.symm_mem import SymmMemDispatcher, symm_mem_unavailable_reason
 
-    reason = symm_mem_unavailable_reason(group)
+    reason = symm_mem_unavailable_reason(group, num_experts)
     if reason is not None:
         raise BackendUnavailable(f"dispatcher 'symm_mem' cannot run here: {reason}; use 'all_to_all' instead")
     return SymmMemDispatcher(num_experts, group)

@@ -106,19 +106,20 @@ class _Buffers:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return int(t)
 
-    def ensure(self, T: int, max_tokens: int, K: int, D: int, L: int, dtype, device) -> None:
-        """Buffers for C >= T tokens per rank. max_tokens > 0: C = max_tokens, agreed once, no per-call
-        communication. Else every call agrees on max T over the group and grows the buffers together."""
+    def ensure(self, T: int, max_tokens: int, K: int, D: int, L: int, dtype, device) -> int:
+        """Buffers for C >= T tokens per rank; returns this call's capacity C. max_tokens > 0 (the same on
+        every rank): C = max_tokens, no per-call communication. Else C = max T over the group, agreed on
+        every call, and the buffers grow (on every rank together) when C exceeds them."""
         if max_tokens:
             if T > max_tokens:
                 raise ValueError(f"{T} tokens on rank {dist.get_rank(self.group)} exceed max_tokens={max_tokens}")
             if self.key == (K, D, L, dtype) and max_tokens <= self.cap:
-                return
-            T = self.agree_max(max_tokens)
+                return max_tokens
+            C = T = self.agree_max(max_tokens)
         else:
-            T = self.agree_max(T)
+            C = T = self.agree_max(T)
             if self.key == (K, D, L, dtype) and T <= self.cap:
-                return
+                return C
         import torch.distributed._symmetric_memory as symm_mem
 
         P, cap = self.P, max(T, 1)
@@ -141,6 +142,7 @@ class _Buffers:
             self.sets.append(s)
         self.key, self.cap, self.zero_row = (K, D, L, dtype), cap, P * cap * K + L
         self.arange_N = torch.arange(P * cap * K, device=device)
+        return C
 
     def next_set(self) -> dict:
         s = self.sets[self.step % 2]
@@ -217,13 +219,13 @@ _BUFFERS: dict[dist.ProcessGroup, _Buffers] = {}  # by group object: a re-create
 class SymmMemDispatcher(Dispatcher):
     """Rank r holds experts [r*L, (r+1)*L); rows travel through NVSHMEM symmetric buffers.
 
-    x_ND has N = P*C*K rows, C the tokens-per-rank capacity of the buffers: rows past counts_L.sum() are
-    zero padding, and combine never reads the rows of y_ND past counts_L.sum(). The buffers are allocated
-    at the first dispatch (a collective: every rank must call it), sized for C tokens on every rank:
-      - max_tokens > 0 (set it before the first dispatch): C = max_tokens. No communication besides the
-        two ops and no host sync; T > max_tokens raises. The setting for training (a token budget).
+    x_ND has N = P*C*K rows for a capacity of C tokens per rank: rows past counts_L.sum() are zero
+    padding, and combine never reads the rows of y_ND past counts_L.sum(). The buffers are allocated at the
+    first dispatch (a collective: every rank must call it) and grow when C exceeds them:
+      - max_tokens > 0, the same on every rank: C = max_tokens. No communication besides the two ops and
+        no host sync; T > max_tokens raises. The setting for training (a token budget per micro-batch).
       - max_tokens = 0: every dispatch agrees on C = max T over the group through a CPU (gloo) all_reduce
-        (a host rendezvous, no device sync) and the buffers grow when it grows.
+        (a host rendezvous, never a device sync; skipped on one rank).
     Router weights are applied on the source rank, so their gradient stays local.
     """
 
@@ -243,10 +245,10 @@ class SymmMemDispatcher(Dispatcher):
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         (T, D), K = x_TD.shape, topk_idx_TK.shape[1]
-        self.bufs.ensure(T, self.max_tokens, K, D, self.num_local_experts, x_TD.dtype, x_TD.device)
+        C = self.bufs.ensure(T, self.max_tokens, K, D, self.num_local_experts, x_TD.dtype, x_TD.device)
         order_M, counts_E, num_kept = sort_by_expert(topk_idx_TK, self.num_experts, self.may_drop)
         rows_MD = expand_tokens(x_TD, order_M[:num_kept], K)
-        route = _Route(counts_E, num_kept, self.world_size * self.bufs.cap * K)
+        route = _Route(counts_E, num_kept, self.world_size * C * K)
         x_ND = _Dispatch.apply(rows_MD, route, self.bufs)
         counts_L = route.splits.view(self.num_local_experts, self.world_size).sum(1)
         return x_ND, counts_L, SymmMemHandle(route, order_M, num_kept, topk_weights_TK)

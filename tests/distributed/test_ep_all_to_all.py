@@ -192,7 +192,7 @@ def indivisible_worker(rank: int, world_size: int, ckpt: str) -> None:
                  lambda: make_dispatcher("auto", bad, dist.group.WORLD),
                  lambda: AllToAllDispatcher(bad, dist.group.WORLD),
                  lambda: load_pretrained(ckpt, expert_parallel_group=dist.group.WORLD, dispatcher="all_to_all")):
-        with pytest.raises(ValueError, match=f"num_experts={bad} is not divisible by the expert-parallel size {world_size}"):
+        with pytest.raises(ValueError, match=f"num_experts={bad} is not divisible by the expert-parallel size"):
             make()
 
 

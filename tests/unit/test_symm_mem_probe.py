@@ -166,7 +166,7 @@ def emulated_worker(rank: int, world_size: int) -> None:
         assert torch.equal(counts_L, r_counts[sl])
         n, lo = int(counts_L.sum()), int(r_counts[: rank * L].sum())
         torch.testing.assert_close(x_ND[:n], r_xND[lo : lo + n])
-        assert x_ND.shape[0] == P * disp.bufs.cap * K and torch.all(x_ND[n:] == 0)
+        assert x_ND.shape[0] == P * max(Ts) * K and torch.all(x_ND[n:] == 0)
         t0, t1 = sum(Ts[:rank]), sum(Ts[: rank + 1])
         for got, want in ((out, r_out[t0:t1]), (gx, r_gx[t0:t1]), (gw, r_gw[t0:t1]), (gW, r_gW[sl])):
             torch.testing.assert_close(got, want)
@@ -185,7 +185,7 @@ def emulated_worker(rank: int, world_size: int) -> None:
         want = ref.combine(_experts(x_ND, c, W_all), h)
         t0 = sum(r[0].shape[0] for r in d[:rank])
         torch.testing.assert_close(got, want[t0 : t0 + d[rank][0].shape[0]])
-    assert disp.bufs.cap == 24 and xa.shape[0] == P * 24 * K
+    assert disp.bufs.cap >= 24 and xa.shape[0] == P * 24 * K
 
 
 @pytest.mark.distributed
