@@ -21,6 +21,7 @@ allows P <= 32 and L <= 16, combine P <= 16 and L <= 32, so this backend needs P
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -65,7 +66,10 @@ def _unavailable_reason(group, num_experts) -> str | None:
     if torch.cuda.get_device_capability() < (7, 0):
         return f"NVSHMEM needs compute capability >= 7.0, this GPU has {torch.cuda.get_device_capability()}"
     try:
-        symm_mem.set_backend("NVSHMEM")
+        if hasattr(symm_mem, "set_backend"):
+            symm_mem.set_backend("NVSHMEM")
+        else:  # older torch reads the backend from the environment
+            os.environ["TORCH_SYMMMEM"] = "NVSHMEM"
     except Exception as e:  # noqa: BLE001 - fails once another backend has allocated
         if symm_mem.get_backend(torch.device("cuda")) != "NVSHMEM":
             return f"cannot set the symmetric-memory backend to NVSHMEM: {e}"
@@ -124,6 +128,9 @@ class _Buffers:
 
         P, cap = self.P, max(T, 1)
         self.sets = []  # free the old buffers first
+        # NVSHMEM reads its heap size once, at its first allocation (default 1 GiB): room for one growth.
+        need = 2 * ((P + 1) * cap * K + L + 1) * D * torch.finfo(dtype).bits // 8
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, 2 * need + (64 << 20))))
         with warnings.catch_warnings():  # deprecated (a no-op) in recent torch, needed in older
             warnings.simplefilter("ignore")
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
