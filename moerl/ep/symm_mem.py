@@ -78,6 +78,9 @@ def _unavailable_reason(group, num_experts) -> str | None:
         if "nccl" not in backend.lower():
             return f"the expert-parallel group uses backend {backend!r}; symm_mem needs an NCCL group"
         P = dist.get_world_size(group)
+        if P < 2:
+            # Seen on an H200 with torch 2.11: rendezvous asserts `global_ranks.size() > 1`.
+            return "the group has 1 rank; NVSHMEM symmetric-memory rendezvous needs at least 2 ranks (GPUs)"
         if P > MAX_RANKS:
             return f"the group has {P} ranks; all_to_all_vdev_2d_offset allows at most {MAX_RANKS}"
         if num_experts is not None and num_experts % P == 0 and num_experts // P > MAX_LOCAL_EXPERTS:
