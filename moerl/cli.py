@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch"}
+BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout"}
 
 
 def _bench(argv: list[str]) -> int:

@@ -89,11 +89,13 @@ class MoECausalLM(nn.Module):
         with_aux_loss: bool = False,
         kv_caches: Sequence[KVCacheLayer] | None = None,
         attn_mask: torch.Tensor | None = None,
+        last_logits_only: bool = False,
     ) -> CausalLMOutput:
         """One forward pass.
 
         routed_experts_BTLK: routing replay; MoE layer l uses experts [:, :, l] instead of its router's top-k.
         kv_caches / attn_mask: one cache per decoder layer and the matching mask (the rollout engine).
+        last_logits_only: project only the last position to the vocabulary (logits [B, 1, V]).
         """
         B, T = self._check_input(input_ids_BT, routed_experts_BTLK)
         if position_ids_BT is None:
@@ -117,6 +119,8 @@ class MoECausalLM(nn.Module):
                     aux_losses.append(moe.aux_loss)
             else:
                 h_BTD = h_BTD + layer.mlp(x_BTD)
+        if last_logits_only:
+            h_BTD = h_BTD[:, -1:]
         logits_BTV = self.lm_head(self.model.norm(h_BTD))
         K = self.config.num_experts_per_tok
         return CausalLMOutput(

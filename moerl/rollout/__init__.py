@@ -1,0 +1,8 @@
+"""The rollout engine: continuous batching, slab KV cache, sampling, log-probs and routing capture."""
+
+from moerl.rollout.async_engine import AsyncEngine
+from moerl.rollout.engine import Engine, EngineConfig
+from moerl.rollout.sampling import SamplingParams
+from moerl.rollout.types import Completion, StepOutput
+
+__all__ = ["AsyncEngine", "Completion", "Engine", "EngineConfig", "SamplingParams", "StepOutput"]

@@ -1,0 +1,136 @@
+"""Sampling: greedy, temperature, top-k, top-p, with noise keyed by (seed, position, token id).
+
+Shape legend: B requests in the batch, V vocabulary.
+
+Randomness is a counter-based hash, not a torch.Generator: the Gumbel noise for request r at position p and
+token v is a pure function of (seed_r, p, v). So a request's tokens do not depend on what else is in the batch,
+on the order of the batch, on the device (the same integer arithmetic runs on CPU and CUDA), or on which engine
+continues it after a preemption; and the whole batch samples in a few vectorised kernels (graph-capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # None: the engine draws one per request
+    min_new_tokens: int = 0  # stop tokens are ignored before this many tokens
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the bad field."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0 or self.temperature != self.temperature:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"SamplingParams.min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values < 2**32.
+
+    Multipliers are below 2**31 so every product fits in int64: no overflow, identical on every device.
+    """
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x297A2D39) & _MASK32
+    return x ^ (x >> 15)
+
+
+def gumbel_noise(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] in float32, a pure function of (seed, position, token id)."""
+    key_B = _mix32(_mix32(seeds_B ^ (seeds_B >> 32)) ^ _mix32(positions_B))
+    token_V = torch.arange(vocab_size, device=seeds_B.device, dtype=torch.int64)
+    bits_BV = _mix32(key_B[:, None] ^ _mix32(token_V * 0x9E3779B1 + 0x632BE5AB)[None, :])
+    uniform_BV = ((bits_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(uniform_BV))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors (static buffers when decode runs in a CUDA graph)."""
+
+    temperature_B: torch.Tensor  # float32; 0 = greedy
+    top_p_B: torch.Tensor  # float32
+    top_k_B: torch.Tensor  # int64; 0 = off
+    seed_B: torch.Tensor  # int64
+    position_B: torch.Tensor  # int64: index of the token being sampled in its sequence
+
+    @classmethod
+    def empty(cls, batch: int, device: torch.device | str) -> SamplingBatch:
+        return cls(
+            torch.ones(batch, device=device), torch.ones(batch, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    def set_rows(self, rows: list[int], params: list[SamplingParams], seeds: list[int], positions: list[int]) -> None:
+        """Write several rows with one host-to-device copy per field (not one per row)."""
+        dev = self.seed_B.device
+        index = torch.tensor(rows, device=dev)
+        self.temperature_B[index] = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev)
+        self.top_p_B[index] = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
+        self.top_k_B[index] = torch.tensor([p.top_k for p in params], dtype=torch.long).to(dev)
+        self.seed_B[index] = torch.tensor(seeds, dtype=torch.long).to(dev)
+        self.position_B[index] = torch.tensor(positions, dtype=torch.long).to(dev)
+
+
+def sample(logits_BV: torch.Tensor, batch: SamplingBatch, *, all_greedy: bool = False,
+           any_filter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (token_B int64, logprob_B float32).
+
+    logprob is the sampled token's log-probability under softmax(logits / temperature) (temperature 1 when
+    greedy), over the full vocabulary: what the trainer recomputes, not the top-k/top-p-filtered distribution.
+    all_greedy / any_filter are host-side hints that skip work (eager decode); a graph passes the defaults.
+    """
+    logits_BV = logits_BV.float()
+    V = logits_BV.shape[-1]
+    if all_greedy:
+        token_B = logits_BV.argmax(dim=-1)
+        return token_B, torch.log_softmax(logits_BV, dim=-1).gather(1, token_B[:, None]).squeeze(1)
+    greedy_B = batch.temperature_B == 0
+    temp_B = torch.where(greedy_B, torch.ones_like(batch.temperature_B), batch.temperature_B)
+    scaled_BV = logits_BV / temp_B[:, None]
+    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+    if not any_filter:
+        noisy_BV = scaled_BV + gumbel_noise(batch.seed_B, batch.position_B, V)
+        token_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), noisy_BV.argmax(dim=-1))
+        return token_B, logprobs_BV.gather(1, token_B[:, None]).squeeze(1)
+    # Filter in sorted order: top-k by rank, top-p by the probability mass before each token.
+    sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
+    rank_V = torch.arange(V, device=logits_BV.device)
+    k_B = torch.where(batch.top_k_B > 0, batch.top_k_B, V)
+    probs_sorted_BV = torch.softmax(sorted_BV, dim=-1)
+    mass_before_BV = torch.cumsum(probs_sorted_BV, dim=-1) - probs_sorted_BV
+    keep_BV = (rank_V[None, :] < k_B[:, None]) & (mass_before_BV < batch.top_p_B[:, None])
+    keep_BV[:, 0] = True
+    noise_BV = gumbel_noise(batch.seed_B, batch.position_B, V).gather(1, order_BV)
+    choice_B = torch.where(keep_BV, sorted_BV + noise_BV, float("-inf")).argmax(dim=-1)
+    sampled_B = order_BV.gather(1, choice_B[:, None]).squeeze(1)
+    token_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), sampled_B)
+    return token_B, logprobs_BV.gather(1, token_B[:, None]).squeeze(1)
