@@ -42,7 +42,13 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv) or 0
 
 
-COMMANDS = {"bench": _bench, "config": _config, "demo": _demo}
+def _train(argv: list[str]) -> int:
+    from moerl.orchestration.run import main as train_main
+
+    return train_main(argv)
+
+
+COMMANDS = {"bench": _bench, "config": _config, "demo": _demo, "train": _train}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,11 +89,24 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling probability mass; 1 = off
     top_k: int = 0  # sample from the k most likely tokens only; 0 = off
     max_batch_size: int = 64  # most sequences in one batched generation call
+    max_seq_len: int = 512  # prompt + completion tokens per sequence (the KV cache length)
+    max_inflight_groups: int = 4  # prompt groups a worker works on at once
+    cpus_per_worker: float = 1.0  # Ray CPUs per worker (fractional is fine on a laptop)
+    gpus_per_worker: float = 0.0
+    threads: int = 1  # torch threads per worker
+    heartbeat_s: float = 2.0  # ping period
+    heartbeat_timeout_s: float = 60.0  # a worker silent this long is lost; its leases go back
+    lease_timeout_s: float = 600.0  # a lease not renewed by a heartbeat this long returns to the queue
+    max_attempts: int = 3  # failed generations of a group before it is recorded as failed
+    grace_s: float = 90.0  # preemption: hand back and exit within this
+    imds_url: str = ""  # EC2 spot notice URL to poll every 5 s ("" = off; SIGTERM always works)
 
     def validate(self) -> None:
         for name in ("num_workers", "group_size", "max_new_tokens", "max_batch_size"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+        require(self.max_inflight_groups >= 1, "max_inflight_groups", "must be >= 1")
 
 
 @dataclass
@@ -105,11 +118,32 @@ class TrainConfig:
     mode: Literal["async", "sync"] = "async"  # async = rollout overlaps training; sync = alternate
     num_ranks: int = 1  # learner processes
     grad_clip: float = 1.0  # max global gradient norm
+    stale_policy: Literal["drop", "regenerate"] = "drop"  # what happens to groups over max_staleness
+    sft_steps: int = 0  # supervised warm-start steps before RL (on the task's reference answers)
+    sft_batch: int = 32  # examples per warm-start step
+    sft_lr: float = 3e-3  # warm-start learning rate
+    cpus_per_rank: float = 1.0  # Ray CPUs per trainer rank
+    gpus_per_rank: float = 0.0
+    threads: int = 1  # torch threads per trainer rank
+    collective_timeout_s: float = 300.0  # a rank silent this long in a step is named as the straggler
+    clip_eps_low: float = 0.2  # PPO clip below 1
+    clip_eps_high: float = 0.28  # PPO clip above 1 (asymmetric, DAPO-style)
+    is_correction: Literal["tis", "mask", "none"] = "tis"  # importance sampling vs the rollout log-probs
+    is_cap: float = 2.0  # TIS truncation (and the mask's upper bound)
+    kl_coef: float = 0.0  # KL to the reference policy (k3); 0 = off
+    normalize_adv_std: bool = True  # GRPO: divide advantages by the group's std
 
     def validate(self) -> None:
+        require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
         for name in ("batch_groups", "num_ranks"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "moerl.tasks.arithmetic:ArithmeticTask"  # dotted path module:Class of the task
+    options: dict[str, Any] = field(default_factory=dict)  # passed to the task's own config
 
 
 @dataclass
@@ -134,6 +168,7 @@ class MoerlConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def checkpoint_dir(self) -> str:
         """`checkpoint.dir`, or `<run.dir>/checkpoints` when that is empty."""

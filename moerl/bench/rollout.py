@@ -45,10 +45,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _run_engine(model, prompts, new_tokens: int, graphs: bool) -> dict:
-    engine = Engine(model, EngineConfig(max_batch_size=len(prompts), max_seq_len=len(prompts[0]) + new_tokens,
-                                        prefill_chunk=len(prompts[0]), max_prefill_tokens=1 << 20,
-                                        cuda_graphs=graphs))
+def _run_engine(engine: Engine, model, prompts, new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     device = next(model.parameters()).device
     synchronize(device)
@@ -93,11 +90,13 @@ def _hf_model(model, impl: str = "grouped_mm"):
 def _run_hf(hf, prompts, new_tokens: int, cache: str) -> dict:
     device = next(hf.parameters()).device
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    # An explicit all-ones mask: with pad_token_id=0 and no mask, transformers would mask prompt tokens equal to 0.
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     with torch.no_grad():
-        hf.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        hf.generate(ids[:2], max_new_tokens=4, min_new_tokens=4,
+                    **{**kwargs, "attention_mask": kwargs["attention_mask"][:2]})  # warm-up
         synchronize(device)
         t0 = time.perf_counter()
         hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
@@ -139,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = torch.randint(0, config.vocab_size, (R, P), generator=gen).tolist()
     print(f"rollout: {R} requests x {P}-token prompts x {N} new tokens, {params / 1e9:.2f}B-parameter MoE "
           f"({config.num_experts} experts top-{config.num_experts_per_tok}), {dtype}, {device_description(device)}")
-    _run_engine(model, prompts[: min(R, 8)], 8, not args.no_graphs)  # warm-up: compile, capture small buckets
-    ours = _run_engine(model, prompts, N, not args.no_graphs)
+    engine = Engine(model, EngineConfig(max_batch_size=R, max_seq_len=P + N, prefill_chunk=P,
+                                        max_prefill_tokens=1 << 20, cuda_graphs=not args.no_graphs))
+    # Warm-up on the same engine at full batch: Triton compiles, CUDA-graph buckets up to R are captured.
+    _run_engine(engine, model, prompts, 4)
+    ours = _run_engine(engine, model, prompts, N)
     print(f"moerl: {ours['total_s']:.2f}s total, mean TTFT {ours['ttft_s'] * 1e3:.1f} ms, "
           f"{ours['decode_tok_s']:.0f} decode tok/s, CUDA graphs: {ours['graphs']}")
     peer, peer_name = None, "-"

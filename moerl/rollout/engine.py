@@ -15,6 +15,7 @@ Decode on CUDA runs as captured CUDA graphs (one per batch-size bucket) when `cu
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -48,7 +49,7 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routing: list[torch.Tensor] = field(default_factory=list)  # int16 [positions, L, K] chunks, in order
+    prefix_routing: torch.Tensor | None = None  # a continuation's routing, copied into the slot at admission
     num_computed: int = 0  # positions whose keys/values are in the cache
     num_routed: int = 0  # positions whose routing is recorded (a continuation brings some)
     slot: int = -1
@@ -63,19 +64,32 @@ class Engine:
     def __init__(self, model: MoECausalLM, config: EngineConfig | None = None, *, version: int = 0) -> None:
         self.model = model.eval()
         self.config = config = config or EngineConfig()
+        self._check_config(config)
         self.version = version
         arch = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache = SlabKVCache(arch.num_hidden_layers, config.max_batch_size, config.max_seq_len,
                                  arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
+        # Host-side routing table: the experts chosen at each position of each slot's request.
+        self.routing = torch.zeros(config.max_batch_size, config.max_seq_len, model.num_moe_layers,
+                                   arch.num_experts_per_tok, dtype=torch.int16)
         self.waiting: list[_Request] = []
         self.running: dict[int, _Request] = {}  # slot -> request
         self.by_id: dict[str, _Request] = {}
+        self._finished_at_submit: list[_Request] = []  # complete prefixes: the next step() reports them
         self._ids = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0}
+
+    @staticmethod
+    def _check_config(config: EngineConfig) -> None:
+        """Refuse settings that would make no progress (a zero prefill budget loops forever) or leave no room."""
+        for name, low in (("max_batch_size", 1), ("max_seq_len", 2), ("prefill_chunk", 1), ("max_prefill_tokens", 1)):
+            value = getattr(config, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= {low}, got {value!r}")
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
@@ -88,7 +102,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.by_id:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        prompt = list(prompt)
+        prompt = _token_ids(prompt)
         self._validate(prompt, params, prefix)
         seed = params.seed if params.seed is not None else (
             prefix.seed if prefix is not None and prefix.seed is not None
@@ -97,10 +111,12 @@ class Engine:
         if prefix is not None:
             req.generated, req.logprobs, req.versions = list(prefix.token_ids), list(prefix.logprobs), list(prefix.versions)
             if prefix.routed_experts is not None and prefix.routed_experts.shape[0]:
-                req.routing.append(prefix.routed_experts.to(torch.int16))
+                req.prefix_routing = prefix.routed_experts.to(torch.int16)
                 req.num_routed = prefix.routed_experts.shape[0]
         self.by_id[request_id] = req
-        if not self._check_finished(req):
+        if self._check_finished(req):  # a prefix that already reached its end
+            self._finished_at_submit.append(req)
+        else:
             self.waiting.append(req)
         return request_id
 
@@ -125,6 +141,18 @@ class Engine:
             bad = [t for t in prefix.token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prefix token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            routing = prefix.routed_experts
+            if routing is not None:
+                arch = self.model.config
+                L, K, E = self.model.num_moe_layers, arch.num_experts_per_tok, arch.num_experts
+                most = len(prompt) + n - 1
+                if (not isinstance(routing, torch.Tensor) or routing.dim() != 3 or tuple(routing.shape[1:]) != (L, K)
+                        or routing.shape[0] > most):
+                    shape = list(routing.shape) if isinstance(routing, torch.Tensor) else type(routing).__name__
+                    raise ValueError(f"prefix.routed_experts is {shape}; this model needs [positions <= {most}, "
+                                     f"moe_layers={L}, top_k={K}]")
+                if routing.numel() and (int(routing.min()) < 0 or int(routing.max()) >= E):
+                    raise ValueError(f"prefix.routed_experts holds expert ids outside [0, {E})")
 
     def abort(self, request_id: str) -> Completion:
         """Stop a request now and return its partial completion (finish_reason "abort")."""
@@ -135,7 +163,7 @@ class Engine:
         return self._release(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._finished_at_submit)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -144,13 +172,15 @@ class Engine:
         """Copy new weights into the model in place (CUDA graphs keep their addresses); later tokens carry
         `version`. Keys/values already cached stay: a running request continues on its existing cache."""
         state = self.model.state_dict()
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        # Check every tensor before copying any: a refused update leaves the model as it was.
         for name, tensor in items:
             if name not in state:
                 raise KeyError(f"update_weights: unknown parameter {name!r}")
             if tuple(tensor.shape) != tuple(state[name].shape):
                 raise ValueError(f"update_weights: {name!r} has shape {list(tensor.shape)}, "
                                  f"the model's is {list(state[name].shape)}")
+        for name, tensor in items:
             state[name].copy_(tensor)
         self.version = version
 
@@ -179,6 +209,9 @@ class Engine:
         """One scheduling step: admit, prefill chunks, one decode forward. Returns per-request deltas."""
         self._admit()
         outputs: dict[str, StepOutput] = {}
+        finished, self._finished_at_submit = self._finished_at_submit, []
+        for req in finished:
+            outputs[req.id] = StepOutput(req.id, [], [], self._release(req))
         self._prefill(outputs)
         self._decode(outputs)
         for req in [r for r in self.running.values() if r.finish_reason]:
@@ -191,6 +224,8 @@ class Engine:
             req = self.waiting.pop(0)
             req.slot = free.pop(0)  # lowest free slot: keeps the decode batch a short contiguous range
             self.running[req.slot] = req
+            if req.prefix_routing is not None:
+                self.routing[req.slot, : req.num_routed] = req.prefix_routing
 
     def _prefill(self, outputs: dict[str, StepOutput]) -> None:
         budget = self.config.max_prefill_tokens
@@ -219,7 +254,10 @@ class Engine:
                                       attn_mask=mask, last_logits_only=True)
         routing = out.routed_experts_BTLK.to(torch.int16).cpu()
         for i, req in enumerate(reqs):
-            self._record_routing(req, routing[i])
+            skip = max(0, req.num_routed - req.num_computed)  # a continuation's prefix covers these
+            if skip < n:
+                self.routing[req.slot, req.num_computed + skip: req.num_computed + n] = routing[i, skip:]
+                req.num_routed = req.num_computed + n
             req.num_computed += n
         self.stats["prefill_tokens"] += n * len(reqs)
         ready = [i for i, r in enumerate(reqs) if r.pending == 0]
@@ -237,8 +275,11 @@ class Engine:
         else:
             token_B, logprob_B, routing_BLK = self._decode_eager(reqs, n)
         token_B, logprob_B, routing_BLK = token_B.cpu(), logprob_B.cpu(), routing_BLK.to(torch.int16).cpu()
+        # One vectorised write of every row's routing into its slot's row of the host-side routing table.
+        slots = torch.tensor([r.slot for r in reqs])
+        self.routing[slots, torch.tensor([r.num_computed for r in reqs])] = routing_BLK[slots]
         for req in reqs:
-            self._record_routing(req, routing_BLK[req.slot][None])
+            req.num_routed = req.num_computed + 1
             req.num_computed += 1
             self._append(req, int(token_B[req.slot]), float(logprob_B[req.slot]), outputs)
         self.stats["decode_tokens"] += len(reqs)
@@ -277,14 +318,6 @@ class Engine:
         kv_len = max(r.num_computed for r in reqs) + 1
         return self.decode_forward(ids_B, pos_B, write_B, sampling, kv_len, _sampling_hints(reqs))
 
-    @staticmethod
-    def _record_routing(req: _Request, routing_TLK: torch.Tensor) -> None:
-        """Keep routing for positions not yet covered (a continuation's prefix already covers some)."""
-        skip = max(0, req.num_routed - req.num_computed)
-        if skip < routing_TLK.shape[0]:
-            req.routing.append(routing_TLK[skip:])
-            req.num_routed = req.num_computed + routing_TLK.shape[0]
-
     def _sample_and_append(self, reqs: list[_Request], logits_BV: torch.Tensor, outputs) -> None:
         sampling = SamplingBatch.empty(len(reqs), self.device)
         sampling.set_rows(list(range(len(reqs))), [r.params for r in reqs], [r.seed for r in reqs],
@@ -315,10 +348,15 @@ class Engine:
         self.by_id.pop(req.id, None)
         if req in self.waiting:
             self.waiting.remove(req)
+        self._finished_at_submit = [r for r in self._finished_at_submit if r is not req]
         if self.running.get(req.slot) is req:
             del self.running[req.slot]
-        routing = torch.cat(req.routing) if req.routing else torch.zeros(
-            0, self.model.num_moe_layers, self.model.config.num_experts_per_tok, dtype=torch.int16)
+        if req.slot >= 0:
+            routing = self.routing[req.slot, : req.num_routed].clone()
+        elif req.prefix_routing is not None:
+            routing = req.prefix_routing
+        else:
+            routing = self.routing.new_zeros(0, *self.routing.shape[2:])
         completion = Completion(req.id, req.tokens[: req.num_prompt], list(req.generated), list(req.logprobs),
                                 list(req.versions), routing, req.finish_reason, seed=req.seed)
         if self.config.deterministic and completion.token_ids and req.finish_reason != "abort":
@@ -336,6 +374,19 @@ class Engine:
         targets = torch.tensor(req.generated, device=self.device)
         completion.logprobs = logp_TV.gather(1, targets[:, None]).squeeze(1).tolist()
         completion.routed_experts = out.routed_experts_BTLK[0].to(torch.int16).cpu()
+
+
+def _token_ids(tokens: Sequence[int]) -> list[int]:
+    """Python ints from any sequence of integers (list, numpy array, tensor); ValueError for anything else."""
+    out, bad = [], []
+    for t in tokens:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            bad.append(t)
+    if bad:
+        raise ValueError(f"prompt token ids must be integers, got {bad[:5]}")
+    return out
 
 
 def _sampling_hints(reqs: list[_Request]) -> dict:

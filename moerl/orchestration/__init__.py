@@ -1,0 +1,1 @@
+"""Orchestration: the controller's bookkeeping for rollout work (leases, retries, checkpointable queues)."""

@@ -1,0 +1,184 @@
+"""The controller (the Ray driver): work queue, staleness gate, policy version, weight sync, metrics.
+
+    prompts ──> WorkQueue ──lease──> RolloutWorker x M (Ray actors, maybe spot)
+                   ^  │  hand back partials (preempted) / worker lost / lease expired: back to the front
+                   │  └──────────── finished group ──> ready buffer ──staleness filter──> TrainerGroup (N ranks)
+                   │                                                                       │ optimizer step
+                   └─────────── new weights (version v+1, object-store buckets) <──────────┘
+
+What blocks what (async mode): rollout never waits for training; a group is leased only while
+`groups leased so far < (version + max_staleness + 1) * batch_groups`, which bounds how old a trained
+sample's oldest token can be. Training waits for `batch_groups` finished groups. In sync mode the two
+alternate exactly: lease one batch, wait for it, train, publish, repeat.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from moerl.orchestration.pools import TrainerGroup, WorkerPool
+from moerl.orchestration.rollout_worker import GroupResult
+from moerl.orchestration.samples import SampleBuilder
+from moerl.orchestration.work_queue import GroupTask, WorkQueue
+
+
+@dataclass
+class LoopConfig:
+    steps: int
+    batch_groups: int
+    group_size: int
+    max_staleness: int
+    mode: str  # "async" | "sync"
+    stale_policy: str  # "drop" | "regenerate"
+    max_inflight_per_worker: int
+    poll_s: float = 0.05
+
+
+@dataclass
+class LoopState:
+    """Everything the controller owns; saved in checkpoints (issue 5) with the queue."""
+
+    version: int = 0
+    step: int = 0
+    next_prompt_index: int = 0
+    leased_total: int = 0
+    ready: list[GroupResult] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=lambda: {
+        "groups_done": 0, "groups_failed": 0, "samples_trained": 0, "samples_failed": 0, "stale_dropped": 0,
+        "stale_regenerated": 0, "preempted": 0, "workers_lost": 0, "late_results": 0})
+
+
+class Controller:
+    def __init__(self, cfg: LoopConfig, queue: WorkQueue, workers: WorkerPool, trainer: TrainerGroup,
+                 builder: SampleBuilder, on_step) -> None:
+        self.cfg, self.queue, self.workers, self.trainer = cfg, queue, workers, trainer
+        self.builder, self.on_step = builder, on_step
+        self.state = LoopState()
+        self.inflight: dict = {}  # ObjectRef -> (worker_id, task_id)
+        self.training: tuple | None = None  # (step refs, batch, built samples, started at) while a step runs
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> LoopState:
+        self.workers.broadcast_weights(self.trainer.publish(), self.state.version, wait=True)
+        while self.state.step < self.cfg.steps:
+            self._lease_and_dispatch()
+            self._collect(timeout=self.cfg.poll_s)
+            self._check_workers()
+            if self.training is None:
+                batch = self._take_batch()
+                if batch is not None:
+                    self._start_training(batch)
+            if self.training is not None and self.trainer.done(self.training[0]):
+                self._finish_training()
+        return self.state
+
+    def _gate_open(self) -> bool:
+        s, c = self.state, self.cfg
+        if c.mode == "sync":  # lease exactly one batch per version, only once the previous one is trained
+            return s.leased_total < (s.version + 1) * c.batch_groups
+        return s.leased_total < (s.version + c.max_staleness + 1) * c.batch_groups
+
+    def _lease_and_dispatch(self) -> None:
+        now = time.monotonic()
+        for worker_id in self.workers.ready_ids():
+            while self.workers.inflight(worker_id) < self.cfg.max_inflight_per_worker:
+                if self.queue.pending() == 0:
+                    if not self._gate_open():
+                        return
+                    self._add_next_prompt()
+                task = self.queue.lease(worker_id, now)
+                if task is None:
+                    return
+                ref = self.workers.dispatch(worker_id, task)
+                self.inflight[ref] = (worker_id, task.task_id)
+
+    def _add_next_prompt(self) -> None:
+        index = self.state.next_prompt_index
+        prompt = self.builder.task.prompt_at(index)
+        self.queue.add(GroupTask(task_id=prompt.task_id, prompt_index=index,
+                                 prompt_token_ids=prompt.prompt_token_ids, group_size=self.cfg.group_size,
+                                 partials=[None] * self.cfg.group_size))
+        self.state.next_prompt_index += 1
+        self.state.leased_total += 1
+
+    def _collect(self, timeout: float) -> None:
+        for ref, result, error in self.workers.wait(self.inflight, timeout):
+            worker_id, task_id = self.inflight.pop(ref)
+            now = time.monotonic()
+            if error is not None:  # the actor died (SIGKILL, node lost): its leases go back
+                self._worker_lost(worker_id, now)
+                continue
+            self.queue.heartbeat(worker_id, now)
+            if result.status == "preempted":
+                self.queue.hand_back(task_id, worker_id, result.completions, now)
+                self.state.counters["preempted"] += 1
+                self.workers.mark_leaving(worker_id)
+            elif result.status == "error":
+                if self.queue.fail(task_id, worker_id, result.error or "unknown error", now) == "failed":
+                    self.state.counters["groups_failed"] += 1
+            elif self.queue.complete(task_id, worker_id, now):
+                self.state.ready.append(result)
+                self.state.counters["groups_done"] += 1
+            else:
+                self.state.counters["late_results"] += 1  # lease expired and was re-leased: drop
+
+    def _worker_lost(self, worker_id: str, now: float) -> None:
+        if self.workers.remove(worker_id):
+            self.queue.worker_lost(worker_id, now)
+            self.state.counters["workers_lost"] += 1
+            for ref, (wid, _) in list(self.inflight.items()):
+                if wid == worker_id:
+                    del self.inflight[ref]
+
+    def _check_workers(self) -> None:
+        now = time.monotonic()
+        for worker_id in self.workers.unresponsive(now):
+            self._worker_lost(worker_id, now)
+        for task_id in self.queue.expire(now):
+            for ref, (wid, tid) in list(self.inflight.items()):
+                if tid == task_id:
+                    del self.inflight[ref]
+        for worker_id in self.workers.replace_missing(self.state.version):
+            self.queue.worker_lost(worker_id, now)
+
+    def _take_batch(self) -> list[GroupResult] | None:
+        """Up to batch_groups finished groups whose oldest token is within the staleness bound."""
+        kept = []
+        for result in self.state.ready:
+            oldest = min((min(c.versions) for c in result.completions if c.versions), default=self.state.version)
+            if self.state.version - oldest > self.cfg.max_staleness:
+                if self.cfg.stale_policy == "regenerate":
+                    self.queue.add(self.builder.fresh_task(result.task_id, self.cfg.group_size))
+                    self.state.counters["stale_regenerated"] += 1
+                else:
+                    self.state.counters["stale_dropped"] += 1
+                continue
+            kept.append(result)
+        self.state.ready = kept
+        if len(kept) < self.cfg.batch_groups:
+            return None
+        batch, self.state.ready = kept[: self.cfg.batch_groups], kept[self.cfg.batch_groups:]
+        return batch
+
+    def _start_training(self, batch: list[GroupResult]) -> None:
+        samples, rows, stats = self.builder.build(batch, self.state.step, self.state.version)
+        self.state.counters["samples_failed"] += stats["samples_failed"]
+        self.training = (self.trainer.start_rl_step(samples), batch, (samples, rows, stats), time.monotonic())
+
+    def _finish_training(self) -> None:
+        refs, batch, (samples, rows, stats), t0 = self.training
+        self.training = None
+        metrics = self.trainer.result(refs, self.state.step)
+        self.state.version += 1
+        self.state.step += 1
+        # Sync mode waits until every worker holds the new weights before it leases the next batch.
+        self.workers.broadcast_weights(self.trainer.publish(), self.state.version, wait=self.cfg.mode == "sync")
+        self.state.counters["samples_trained"] += len(samples)
+        metrics.update(stats)
+        metrics["time/train_s"] = time.monotonic() - t0
+        metrics.update({f"queue/{k}": v for k, v in self.queue.stats().items()})
+        metrics["queue/pending"] = self.queue.pending()
+        metrics.update({f"count/{k}": v for k, v in self.state.counters.items()})
+        metrics["workers/alive"], metrics["workers/target"] = self.workers.alive(), self.workers.target
+        self.on_step(self.state.step, metrics, rows, batch)

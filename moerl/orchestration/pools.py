@@ -1,0 +1,206 @@
+"""The Ray side of the controller: the trainer group and the pool of rollout workers.
+
+Placement: when the cluster has nodes with a `rollout` resource (spot capacity), rollout workers ask for a
+sliver of it and land there, and the trainer ranks are pinned to nodes without it; on one machine both share it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from moerl.orchestration.rollout_worker import GroupResult, RolloutWorker, WorkerSpec
+from moerl.orchestration.trainer_actor import TrainerRank, TrainerSpec
+from moerl.orchestration.work_queue import GroupTask, WorkQueue
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _has_rollout_nodes() -> bool:
+    return any(n["Alive"] and n["Resources"].get("rollout", 0) > 0 for n in ray.nodes())
+
+
+class TrainerGroup:
+    """N trainer ranks forming one torch.distributed group; a step is one call on every rank."""
+
+    def __init__(self, spec: TrainerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float) -> None:
+        options = {"num_cpus": cpus_per_rank, "num_gpus": gpus_per_rank, "name": None}
+        if _has_rollout_nodes():
+            others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("rollout", 0) == 0]
+            if others:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(others[0], soft=False)
+        cls = ray.remote(TrainerRank)
+        host = ray.util.get_node_ip_address()
+        master = f"{host}:{_free_port(host)}"
+        self.ranks = [cls.options(**{k: v for k, v in options.items() if k != "name"}).remote(r, num_ranks, master, spec)
+                      for r in range(num_ranks)]
+        self.timeout_s = spec.collective_timeout_s
+        ray.get([r.pid.remote() for r in self.ranks], timeout=self.timeout_s)  # the group is up
+
+    def set_lr(self, lr: float) -> None:
+        ray.get([r.set_lr.remote(lr) for r in self.ranks], timeout=self.timeout_s)
+
+    @staticmethod
+    def shard(samples: list, num_ranks: int) -> list[list]:
+        return [samples[r::num_ranks] for r in range(num_ranks)]
+
+    def sft_step(self, samples: list) -> dict:
+        refs = [r.sft_step.remote(s) for r, s in zip(self.ranks, self.shard(samples, len(self.ranks)))]
+        return self.result(refs, "sft")
+
+    def start_rl_step(self, samples: list) -> list:
+        return [r.rl_step.remote(s) for r, s in zip(self.ranks, self.shard(samples, len(self.ranks)))]
+
+    def rl_step(self, samples: list) -> dict:
+        return self.result(self.start_rl_step(samples), "rl")
+
+    @staticmethod
+    def done(refs: list) -> bool:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def result(self, refs: list, step) -> dict:
+        """Rank 0's metrics; a rank that does not answer within the collective timeout is named."""
+        ready, missing = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if missing:
+            late = [i for i, ref in enumerate(refs) if ref in missing]
+            raise TimeoutError(f"trainer step {step}: rank(s) {late} did not finish within {self.timeout_s:.0f} s "
+                               "(straggler or hang; the others wait in a collective)")
+        return ray.get(refs)[0]
+
+    def publish(self, bucket_bytes: int = 32 << 20) -> list:
+        shards = ray.get([r.publish.remote(bucket_bytes) for r in self.ranks], timeout=self.timeout_s)
+        return [ref for rank_refs in shards for ref in rank_refs]
+
+
+@dataclass
+class _Worker:
+    handle: object
+    leaving: bool = False
+    last_ok: float = 0.0
+    ping_ref: object = None
+    inflight: int = 0
+    started: bool = False  # answered a ping: its actor is placed and built (capacity allowed it)
+
+
+class WorkerPool:
+    """M rollout workers; dead ones are removed and replaced while capacity allows."""
+
+    def __init__(self, spec: WorkerSpec, target: int, cpus_per_worker: float, gpus_per_worker: float,
+                 queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0) -> None:
+        self.spec, self.target, self.queue = spec, target, queue
+        self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
+        self.start_timeout_s = 600.0  # a replacement may wait this long for capacity before it is retried
+        options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker, "max_concurrency": 16,
+                   "max_restarts": 0}
+        if _has_rollout_nodes():
+            options["resources"] = {"rollout": 0.001}
+        self.cls, self.options = ray.remote(RolloutWorker), options
+        self.workers: dict[str, _Worker] = {}
+        self._ids = itertools.count()
+        self._weights: tuple[list, int] | None = None
+        for _ in range(target):
+            self._spawn()
+
+    def _spawn(self) -> str:
+        worker_id = f"rollout-{next(self._ids)}"
+        handle = self.cls.options(**self.options, name=f"RolloutWorker-{worker_id}").remote(worker_id, self.spec)
+        self.workers[worker_id] = _Worker(handle, last_ok=time.monotonic(), ping_ref=handle.ping.remote())
+        if self._weights is not None:
+            handle.update_weights.remote(self._weights[1], self._weights[0])
+        return worker_id
+
+    def ready_ids(self) -> list[str]:
+        return [w for w, s in self.workers.items() if s.started and not s.leaving]
+
+    def inflight(self, worker_id: str) -> int:
+        return self.workers[worker_id].inflight
+
+    def alive(self) -> int:
+        return sum(w.started for w in self.workers.values())
+
+    def dispatch(self, worker_id: str, task: GroupTask):
+        w = self.workers[worker_id]
+        w.inflight += 1
+        return w.handle.run_group.remote(task)
+
+    def wait(self, inflight: dict, timeout: float) -> list[tuple[object, GroupResult | None, Exception | None]]:
+        """Results that arrived within `timeout`; inflight maps each ref to (worker_id, task_id)."""
+        if not inflight:
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=timeout)
+        out = []
+        for ref in ready:
+            worker = self.workers.get(inflight[ref][0])
+            if worker is not None:
+                worker.inflight -= 1
+            try:
+                out.append((ref, ray.get(ref), None))
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                    ray.exceptions.ObjectLostError) as e:
+                out.append((ref, None, e))
+        return out
+
+    def mark_leaving(self, worker_id: str) -> None:
+        if worker_id in self.workers:
+            self.workers[worker_id].leaving = True
+
+    def remove(self, worker_id: str) -> bool:
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return False
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        return True
+
+    def unresponsive(self, now: float) -> list[str]:
+        """Ping every worker each heartbeat; one silent past the timeout is lost. Live ones renew their leases."""
+        lost = []
+        for worker_id, w in list(self.workers.items()):
+            if w.ping_ref is not None:
+                ready, _ = ray.wait([w.ping_ref], timeout=0)
+                if ready:
+                    try:
+                        ray.get(w.ping_ref)
+                        w.last_ok, w.started = now, True
+                        self.queue.heartbeat(worker_id, now)
+                    except ray.exceptions.RayError:
+                        lost.append(worker_id)
+                        continue
+                    w.ping_ref = None
+            if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
+                w.ping_ref = w.handle.ping.remote()
+            if now - w.last_ok > (self.heartbeat_timeout_s if w.started else self.start_timeout_s):
+                lost.append(worker_id)
+        return lost
+
+    def replace_missing(self, version: int) -> list[str]:
+        """Retire workers that are leaving with nothing in flight, then top the pool back up to its target."""
+        retired = [w for w, s in self.workers.items() if s.leaving and s.inflight == 0]
+        for worker_id in retired:
+            self.remove(worker_id)
+        while len(self.workers) < self.target:
+            self._spawn()
+        return retired
+
+    def broadcast_weights(self, shard_refs: list, version: int, wait: bool = False) -> None:
+        self._weights = (shard_refs, version)
+        refs = [w.handle.update_weights.remote(version, shard_refs) for w in self.workers.values()]
+        if wait:
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=self.heartbeat_timeout_s)
+                except (ray.exceptions.RayError, TimeoutError):
+                    pass  # a dead worker is found by the heartbeat

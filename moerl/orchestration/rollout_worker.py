@@ -1,0 +1,194 @@
+"""The rollout worker: one engine, generates and scores prompt groups, hands work back on preemption.
+
+Runs as a threaded Ray actor named `RolloutWorker` (see controller.py): `__init__` runs on the process's main
+thread, where the SIGTERM handler goes (Kubernetes sends SIGTERM on a spot drain); an optional thread polls
+the EC2 IMDS `spot/instance-action` notice every 5 s. On either, the worker stops taking groups, aborts its
+in-flight requests, returns their partial completions (status "preempted") so the controller re-queues them
+for continuation elsewhere, and exits once they are handed back (at most `grace_s` later).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from moerl.model import build_model, load_pretrained
+from moerl.model.config import MoEModelConfig
+from moerl.orchestration.engine_thread import EngineThread
+from moerl.orchestration.work_queue import GroupTask
+from moerl.rollout import Completion, Engine, EngineConfig, SamplingParams
+from moerl.tasks.base import load_task, safe_reward
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs to build itself (picklable; sent once at actor creation)."""
+
+    arch: dict  # MoEModelConfig fields (HF config dict)
+    model_path: str  # HF checkpoint dir to start from; "" = random init (weights arrive before any work)
+    dtype: str
+    device: str
+    engine: EngineConfig
+    sampling: SamplingParams
+    task_name: str
+    task_options: dict
+    seed: int
+    threads: int = 1
+    grace_s: float = 90.0
+    imds_url: str = ""  # e.g. http://169.254.169.254/latest/meta-data/spot/instance-action; "" = off
+    imds_interval_s: float = 5.0
+    group_timeout_s: float = 600.0
+
+
+@dataclass
+class GroupResult:
+    task_id: str
+    worker_id: str
+    status: Literal["ok", "preempted", "error"]
+    completions: list[Completion] = field(default_factory=list)
+    rewards: list[float | None] = field(default_factory=list)
+    reward_errors: list[str | None] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def sample_seed(run_seed: int, task_id: str, index: int) -> int:
+    """A stable per-sample seed: a continuation on another worker draws the same noise."""
+    digest = hashlib.blake2b(f"{run_seed}/{task_id}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+class RolloutWorker:
+    def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
+        torch.set_num_threads(spec.threads)
+        self.worker_id, self.spec = worker_id, spec
+        dtype = getattr(torch, spec.dtype)
+        if spec.model_path:
+            model = load_pretrained(spec.model_path, dtype=dtype, device=spec.device)
+        else:
+            model = build_model(MoEModelConfig.from_hf_dict(spec.arch), dtype=dtype, device=spec.device, seed=spec.seed)
+        self.engine = EngineThread(Engine(model, spec.engine, version=-1))
+        self.task = load_task(spec.task_name, spec.task_options, seed=spec.seed)
+        self.preempting = threading.Event()
+        self._inflight_groups = 0
+        self._lock = threading.Lock()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.preempt("SIGTERM"))
+        if spec.imds_url:
+            threading.Thread(target=self._poll_imds, daemon=True, name="moerl-imds").start()
+
+    # ---------------------------------------------------------------- work
+    def run_group(self, task: GroupTask) -> GroupResult:
+        t0 = time.perf_counter()
+        if self.preempting.is_set():
+            return GroupResult(task.task_id, self.worker_id, "preempted", list(task.partials))
+        with self._lock:
+            self._inflight_groups += 1
+        try:
+            return self._run_group(task, t0)
+        except Exception as e:  # noqa: BLE001 - a failed generation is reported, retried by the controller
+            return GroupResult(task.task_id, self.worker_id, "error", error=f"{type(e).__name__}: {e}",
+                               seconds=time.perf_counter() - t0)
+        finally:
+            with self._lock:
+                self._inflight_groups -= 1
+
+    def _run_group(self, task: GroupTask, t0: float) -> GroupResult:
+        futures = []
+        for i in range(task.group_size):
+            partial = task.partials[i] if i < len(task.partials) else None
+            if partial is not None and partial.finish_reason in ("stop", "length"):
+                futures.append(None)  # finished before the preemption: nothing left to generate
+                continue
+            params = SamplingParams(**{**self.spec.sampling.__dict__, "seed": sample_seed(self.spec.seed, task.task_id, i)})
+            futures.append(self.engine.submit(task.prompt_token_ids, params, f"{task.task_id}/{i}/{time.monotonic_ns()}",
+                                              prefix=partial))
+        completions = []
+        for i, fut in enumerate(futures):
+            completions.append(task.partials[i] if fut is None else fut.result(timeout=self.spec.group_timeout_s))
+        if any(c.finish_reason == "abort" for c in completions):
+            return GroupResult(task.task_id, self.worker_id, "preempted", completions, seconds=time.perf_counter() - t0)
+        prompt = self.task.prompt_at(task.prompt_index)
+        rewards, errors = [], []
+        for c in completions:
+            reward, err = safe_reward(self.task, prompt, c.token_ids)
+            rewards.append(reward)
+            errors.append(err)
+        return GroupResult(task.task_id, self.worker_id, "ok", completions, rewards, errors,
+                           seconds=time.perf_counter() - t0)
+
+    def update_weights(self, version: int, shards: list[Any]) -> int:
+        """Load published weights (lists of (name, tensor, expert_offset) from the trainer ranks)."""
+        import ray
+
+        tensors = []
+        for shard in shards:
+            tensors.extend(ray.get(shard) if isinstance(shard, ray.ObjectRef) else shard)
+        self.engine.call(lambda engine: apply_weights(engine, tensors, version))
+        return version
+
+    def ping(self) -> dict:
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.engine.version,
+                "in_flight": self.engine.in_flight, "preempting": self.preempting.is_set(),
+                "stats": dict(self.engine.engine.stats)}
+
+    # ---------------------------------------------------------------- preemption
+    def preempt(self, reason: str = "preempt") -> None:
+        """Stop taking work, abort in-flight requests (their partials go back), exit after handing back."""
+        if self.preempting.is_set():
+            return
+        self.preempting.set()
+        self.engine.abort_all()
+        threading.Thread(target=self._exit_when_handed_back, daemon=True, name="moerl-exit").start()
+
+    def _exit_when_handed_back(self) -> None:
+        deadline = time.monotonic() + self.spec.grace_s
+        while self._inflight_groups > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # let Ray deliver the last replies
+        os._exit(0)
+
+    def _poll_imds(self) -> None:
+        parts = urllib.parse.urlsplit(self.spec.imds_url)
+        token_url = f"{parts.scheme}://{parts.netloc}/latest/api/token"
+        while not self.preempting.is_set():
+            try:
+                headers = {}
+                try:  # IMDSv2: a session token first (EKS nodes usually require it)
+                    req = urllib.request.Request(token_url, method="PUT",
+                                                 headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+                    with urllib.request.urlopen(req, timeout=2) as resp:  # noqa: S310 - configured URL
+                        headers["X-aws-ec2-metadata-token"] = resp.read().decode()
+                except OSError:
+                    pass
+                with urllib.request.urlopen(urllib.request.Request(self.spec.imds_url, headers=headers),
+                                            timeout=2) as resp:  # noqa: S310
+                    if resp.status == 200:
+                        self.preempt("IMDS spot/instance-action")
+                        return
+            except OSError:
+                pass  # 404 (no notice) or unreachable: keep polling
+            time.sleep(self.spec.imds_interval_s)
+
+
+@torch.no_grad()
+def apply_weights(engine: Engine, tensors: list[tuple[str, torch.Tensor, int | None]], version: int) -> None:
+    """Copy published tensors into the engine's model; expert slices land at their rank's expert offset."""
+    state = engine.model.state_dict()
+    full, slices = [], []
+    for name, tensor, offset in tensors:
+        (full if offset is None else slices).append((name, tensor, offset))
+    engine.update_weights([(n, t) for n, t, _ in full], version)
+    for name, tensor, offset in slices:
+        if name not in state:
+            raise KeyError(f"update_weights: unknown parameter {name!r}")
+        state[name][offset: offset + tensor.shape[0]].copy_(tensor)

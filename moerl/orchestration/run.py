@@ -1,0 +1,177 @@
+"""`moerl train CONFIG [--dotted.key=value ...]`: build the parts from the config and run the RL loop on Ray.
+
+    moerl train configs/demo.toml --train.steps=20 --rollout.num_workers=3
+
+With no `ray.address` (and no RAY_ADDRESS) a local Ray instance is started on 127.0.0.1 and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from moerl.config import MoerlConfig
+from moerl.model import MoEModelConfig, read_config, tiny_config
+from moerl.rollout import EngineConfig, SamplingParams
+from moerl.tasks.base import Task, load_task
+from moerl.train.loss import LossConfig
+from moerl.train.trainer import OptimConfig, Sample
+
+
+def model_architecture(cfg: MoerlConfig, task: Task) -> MoEModelConfig:
+    if cfg.model.path:
+        return read_config(cfg.model.path)
+    if cfg.model.preset != "tiny":
+        raise ValueError(f"config key 'model.preset' {cfg.model.preset!r} is unknown (known: 'tiny'); "
+                         "or set model.path to a Hugging Face checkpoint")
+    # Exactly the tokenizer's vocabulary: a random model must not sample ids the tokenizer cannot decode.
+    return tiny_config(vocab_size=task.tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=64, intermediate_size=128,
+                       eos_token_id=task.tokenizer.eos_token_id, max_position_embeddings=cfg.rollout.max_seq_len)
+
+
+def resolve_device(cfg: MoerlConfig) -> str:
+    if cfg.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.run.device
+
+
+def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
+    from moerl.orchestration.rollout_worker import WorkerSpec
+    from moerl.orchestration.trainer_actor import TrainerSpec
+
+    device = resolve_device(cfg)
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                              stop_token_ids=[task.tokenizer.eos_token_id])
+    engine = EngineConfig(max_batch_size=cfg.rollout.max_batch_size, max_seq_len=cfg.rollout.max_seq_len,
+                          deterministic=cfg.run.deterministic, seed=cfg.run.seed)
+    t = cfg.train
+    loss = LossConfig(clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, is_correction=t.is_correction,
+                      is_cap=t.is_cap, kl_coef=t.kl_coef, normalize_adv_std=t.normalize_adv_std)
+    worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
+                        engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),
+                        seed=cfg.run.seed, threads=cfg.rollout.threads, grace_s=cfg.rollout.grace_s,
+                        imds_url=cfg.rollout.imds_url)
+    trainer = TrainerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
+                          optim=OptimConfig(lr=t.lr, grad_clip=t.grad_clip), loss=loss, ep_size=cfg.ep.size,
+                          dispatcher=cfg.model.dispatcher, routing_replay=cfg.model.routing_replay,
+                          aux_loss_coef=cfg.model.router_aux_loss_coef,
+                          expert_bias_rate=cfg.model.expert_bias_update_rate,
+                          capacity_factor=cfg.model.capacity_factor, seed=cfg.run.seed, threads=t.threads,
+                          collective_timeout_s=t.collective_timeout_s)
+    return worker, trainer
+
+
+def warm_start(trainer, task: Task, cfg: MoerlConfig, log) -> None:
+    """Supervised steps on the task's reference answers, so RL starts from a policy that knows the format."""
+    if cfg.train.sft_steps == 0:
+        return
+    if not hasattr(task, "sft_example"):
+        raise ValueError(f"train.sft_steps={cfg.train.sft_steps} but task {cfg.task.name!r} has no sft_example()")
+    trainer.set_lr(cfg.train.sft_lr)
+    for step in range(cfg.train.sft_steps):
+        samples = []
+        for j in range(cfg.train.sft_batch):
+            prompt_ids, target_ids = task.sft_example(1_000_000 + step * cfg.train.sft_batch + j)
+            samples.append(Sample(prompt_ids, target_ids, [0.0] * len(target_ids), 0.0, None))
+        metrics = trainer.sft_step(samples)
+        log(step, metrics)
+    trainer.set_lr(cfg.train.lr)
+
+
+def train(cfg: MoerlConfig) -> dict:
+    """Run the whole job; returns the final loop state's counters and the last metrics."""
+    import ray
+
+    from moerl.orchestration.controller import Controller, LoopConfig
+    from moerl.orchestration.plots import write_plots
+    from moerl.orchestration.pools import TrainerGroup, WorkerPool
+    from moerl.orchestration.progress import Progress
+    from moerl.orchestration.run_log import RunLog
+    from moerl.orchestration.samples import SampleBuilder
+    from moerl.orchestration.work_queue import WorkQueue
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = load_task(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
+    arch = model_architecture(cfg, task)
+    worker_spec, trainer_spec = _specs(cfg, arch, task)
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        init = {"address": address} if address else {
+            "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+        ray.init(**init, log_to_driver=cfg.run.log_level == "debug",
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+    log = RunLog(run_dir)
+    progress = Progress(cfg.train.steps)
+    t_start = time.monotonic()
+    last: dict = {}
+    try:
+        trainer = TrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
+        warm_start(trainer, task, cfg, lambda s, m: log.log_step(-cfg.train.sft_steps + s, _scalars(m, "sft/")))
+        queue = WorkQueue(lease_timeout=cfg.rollout.lease_timeout_s, max_attempts=cfg.rollout.max_attempts)
+        workers = WorkerPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
+                             cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s, cfg.rollout.heartbeat_timeout_s)
+        builder = SampleBuilder(task, cfg.train.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
+        loop = LoopConfig(steps=cfg.train.steps, batch_groups=cfg.train.batch_groups,
+                          group_size=cfg.rollout.group_size, max_staleness=cfg.train.max_staleness,
+                          mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
+                          max_inflight_per_worker=cfg.rollout.max_inflight_groups)
+        samples_seen = [0]
+
+        def on_step(step: int, metrics: dict, rows: list[dict], batch) -> None:
+            elapsed = time.monotonic() - t_start
+            samples_seen[0] += metrics.get("samples", 0)
+            metrics["throughput/samples_per_s"] = samples_seen[0] / elapsed
+            log.log_expert_load(step, "rollout", metrics.pop("expert_counts_rollout"))
+            log.log_expert_load(step, "trainer", metrics.pop("expert_counts"))
+            scalars = _scalars(metrics)
+            log.log_step(step, scalars)
+            log.log_trajectories(rows)
+            progress.update(step, scalars)
+            last.clear()
+            last.update(scalars)
+
+        controller = Controller(loop, queue, workers, trainer, builder, on_step)
+        state = controller.run()
+        last["elapsed_s"] = time.monotonic() - t_start
+        return {"counters": dict(state.counters), "metrics": dict(last), "queue": queue.stats(),
+                "failed_tasks": [t.task_id for t in queue.failed]}
+    finally:
+        progress.close()
+        log.close()
+        try:
+            write_plots(run_dir)
+        except Exception as e:  # noqa: BLE001 - plots are a convenience; never lose the run over them
+            print(f"warning: plots not written: {e}")
+        if started_ray:
+            ray.shutdown()
+
+
+def _scalars(metrics: dict, prefix: str = "") -> dict:
+    return {prefix + k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def main(argv: list[str]) -> int:
+    from moerl.config import ConfigError, load_config
+
+    if not argv or argv[0].startswith("-"):
+        print("usage: moerl train CONFIG.toml [--section.key=value ...]")
+        return 2
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}")
+        return 2
+    result = train(cfg)
+    m = result["metrics"]
+    print(f"done: {cfg.train.steps} steps in {m.get('elapsed_s', 0):.0f}s, final reward/mean "
+          f"{m.get('reward/mean', float('nan')):.3f}; outputs in {cfg.run.dir}")
+    print(f"counters: {result['counters']}")
+    return 0
+

@@ -1,0 +1,60 @@
+"""From finished groups to trainer samples: GRPO advantages, failed samples left out, trajectory rows."""
+
+from __future__ import annotations
+
+import torch
+
+from moerl.orchestration.rollout_worker import GroupResult
+from moerl.orchestration.work_queue import GroupTask
+from moerl.tasks.base import Task
+from moerl.train.loss import group_advantages
+from moerl.train.trainer import Sample
+
+
+class SampleBuilder:
+    def __init__(self, task: Task, normalize_adv_std: bool, num_moe_layers: int, num_experts: int) -> None:
+        self.task, self.normalize_adv_std = task, normalize_adv_std
+        self.num_moe_layers, self.num_experts = num_moe_layers, num_experts
+
+    def fresh_task(self, task_id: str, group_size: int) -> GroupTask:
+        """A stale group's prompt, to be generated again from scratch (stale_policy = "regenerate")."""
+        index = int(task_id.rsplit("-", 1)[-1]) if task_id.rsplit("-", 1)[-1].isdigit() else 0
+        prompt = self.task.prompt_at(index)
+        return GroupTask(task_id=f"{task_id}-r", prompt_index=index, prompt_token_ids=prompt.prompt_token_ids,
+                         group_size=group_size, partials=[None] * group_size)
+
+    def build(self, groups: list[GroupResult], step: int, version: int) -> tuple[list[Sample], list[dict], dict]:
+        """Samples whose reward is known; a sample whose reward raised is failed and left out (never a zero)."""
+        samples, rows = [], []
+        rewards_all, lengths, staleness, failed = [], [], [], 0
+        counts_LE = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.long)
+        for g in groups:
+            valid = [i for i, r in enumerate(g.rewards) if r is not None]
+            failed += len(g.completions) - len(valid)
+            if not valid:
+                continue
+            rewards = torch.tensor([g.rewards[i] for i in valid], dtype=torch.float32)
+            advantages = group_advantages(rewards[None], self.normalize_adv_std)[0].tolist()
+            for adv, i in zip(advantages, valid):
+                c = g.completions[i]
+                samples.append(Sample(c.prompt_token_ids, c.token_ids, c.logprobs, adv, c.routed_experts))
+                if c.routed_experts is not None and c.routed_experts.numel():
+                    flat = c.routed_experts.long().permute(1, 0, 2).reshape(self.num_moe_layers, -1)
+                    counts_LE += torch.zeros_like(counts_LE).scatter_add_(1, flat, torch.ones_like(flat))
+                rewards_all.append(g.rewards[i])
+                lengths.append(len(c.token_ids))
+                staleness.append(version - min(c.versions, default=version))
+                rows.append({"step": step + 1, "task_id": g.task_id, "sample_index": i, "worker": g.worker_id,
+                             "versions": [min(c.versions, default=version), max(c.versions, default=version)],
+                             "trained_at_version": version, "reward": g.rewards[i], "advantage": adv,
+                             "prompt_len": len(c.prompt_token_ids), "completion_len": len(c.token_ids),
+                             "finish_reason": c.finish_reason})
+        n = max(1, len(rewards_all))
+        stats = {
+            "reward/mean": sum(rewards_all) / n,
+            "samples": len(samples), "samples_failed": failed,
+            "length/mean": sum(lengths) / n,
+            "staleness/mean": sum(staleness) / n, "staleness/max": max(staleness, default=0),
+            "expert_counts_rollout": counts_LE.tolist(),
+        }
+        return samples, rows, stats

@@ -1,0 +1,219 @@
+"""The controller's work queue of prompt groups, leased to rollout workers that may vanish.
+
+One `GroupTask` is one prompt x `group_size` samples. Lifecycle (every added task ends in exactly one
+of completed / failed, or is still pending / leased):
+
+    add -> PENDING --lease--> LEASED --complete------------------------> COMPLETED (exactly once)
+             ^  ^               |----hand_back / worker_lost / expire--> PENDING, at the front
+             |  |               |                                        (partials kept, no attempt)
+             |  +---------------+----fail, attempts < max_attempts-----> PENDING, at the end
+             |                  +----fail, attempts == max_attempts----> FAILED (task + all errors)
+             +-- load_state_dict: every outstanding lease -> PENDING, at the front
+
+Single-threaded, no Ray, no clocks: every call takes `now` (seconds, any monotonic origin). A lease is
+live while `now <= deadline`; after that it is dead even before `expire` sweeps it: `complete`,
+`hand_back` and `fail` from its worker are stale (`complete` returns False, the caller drops the result)
+and `heartbeat` no longer extends it. Several tasks put back at once keep their lease order, as one
+block at the front. Completed ids are remembered forever, so no id is completed twice or re-added.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+STATE_VERSION = 1
+COUNTERS = ("completed", "handed_back", "expired", "lost", "retried", "failed")
+
+
+@dataclass
+class GroupTask:
+    """One prompt x `group_size` samples. `partials[i]` is None or an opaque partial completion."""
+
+    task_id: str
+    prompt_index: int
+    prompt_token_ids: list[int]
+    group_size: int
+    partials: list[Any | None] = field(default_factory=list)
+    attempts: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"task {self.task_id!r}: group_size must be >= 1, got {self.group_size}")
+        if not self.partials:
+            self.partials = [None] * self.group_size
+        if len(self.partials) != self.group_size:
+            raise ValueError(f"task {self.task_id!r}: {len(self.partials)} partials for group_size {self.group_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able except the partials, which are kept as given (the checkpoint layer handles them)."""
+        return {"task_id": self.task_id, "prompt_index": self.prompt_index,
+                "prompt_token_ids": list(self.prompt_token_ids), "group_size": self.group_size,
+                "partials": list(self.partials), "attempts": self.attempts, "errors": list(self.errors)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GroupTask:
+        return cls(d["task_id"], int(d["prompt_index"]), list(d["prompt_token_ids"]), int(d["group_size"]),
+                   list(d["partials"]), int(d["attempts"]), list(d["errors"]))
+
+
+@dataclass
+class Lease:
+    task_id: str
+    worker_id: str
+    deadline: float
+    granted_at: float
+
+
+class WorkQueue:
+    """Pending tasks in order, leases by task id, completed ids, failed tasks and counters."""
+
+    def __init__(self, lease_timeout: float, max_attempts: int) -> None:
+        if lease_timeout <= 0 or max_attempts < 1:
+            raise ValueError(f"need lease_timeout > 0 and max_attempts >= 1, got {lease_timeout}, {max_attempts}")
+        self.lease_timeout = float(lease_timeout)
+        self.max_attempts = int(max_attempts)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._tasks: dict[str, GroupTask] = {}  # every pending or leased task
+        self._pending: deque[str] = deque()  # ids in lease order; never an id in _leases
+        self._leases: dict[str, Lease] = {}  # insertion order = grant order
+        self.completed_ids: set[str] = set()
+        self.failed: list[GroupTask] = []
+        self._failed_ids: set[str] = set()
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    # ---------------------------------------------------------------- queries
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def leased(self) -> int:
+        return len(self._leases)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def pending_ids(self) -> list[str]:
+        return list(self._pending)
+
+    def workers(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for lease in self._leases.values():
+            out.setdefault(lease.worker_id, []).append(lease.task_id)
+        return out
+
+    def lease_of(self, task_id: str) -> Lease | None:
+        return self._leases.get(task_id)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "pending": self.pending(), "leased": self.leased()}
+
+    # ---------------------------------------------------------------- transitions
+    def add(self, task: GroupTask) -> None:
+        tid = task.task_id
+        if tid in self._tasks or tid in self.completed_ids or tid in self._failed_ids:
+            raise ValueError(f"task {tid!r} was already added")
+        self._tasks[tid] = task
+        self._pending.append(tid)
+
+    def lease(self, worker_id: str, now: float) -> GroupTask | None:
+        """The front pending task, leased to `worker_id` until now + lease_timeout; None if none pending."""
+        if not self._pending:
+            return None
+        tid = self._pending.popleft()
+        self._leases[tid] = Lease(tid, worker_id, now + self.lease_timeout, now)
+        return self._tasks[tid]
+
+    def heartbeat(self, worker_id: str, now: float) -> None:
+        for lease in self._leases.values():
+            if lease.worker_id == worker_id and now <= lease.deadline:
+                lease.deadline = now + self.lease_timeout
+
+    def _held(self, task_id: str, worker_id: str, now: float) -> bool:
+        lease = self._leases.get(task_id)
+        return lease is not None and lease.worker_id == worker_id and now <= lease.deadline
+
+    def complete(self, task_id: str, worker_id: str, now: float) -> bool:
+        """True (once per id) iff `worker_id` holds a live lease on it; else the caller drops the result."""
+        if not self._held(task_id, worker_id, now):
+            return False
+        del self._leases[task_id], self._tasks[task_id]
+        self.completed_ids.add(task_id)
+        self.counters["completed"] += 1
+        return True
+
+    def hand_back(self, task_id: str, worker_id: str, partials: list[Any | None], now: float) -> bool:
+        """Preemption: the task goes to the front with `partials`; not an attempt. False if stale."""
+        if not self._held(task_id, worker_id, now):
+            return False
+        task = self._tasks[task_id]
+        if len(partials) != task.group_size:
+            raise ValueError(f"task {task_id!r}: {len(partials)} partials for group_size {task.group_size}")
+        task.partials = list(partials)
+        self._requeue_front([task_id], "handed_back")
+        return True
+
+    def fail(self, task_id: str, worker_id: str, error: str, now: float) -> Literal["retry", "failed", "stale"]:
+        """Counts an attempt: back to the end of the queue, or into `failed` at max_attempts.
+
+        "stale" (nothing changes) when `worker_id` no longer holds a live lease on the task."""
+        if not self._held(task_id, worker_id, now):
+            return "stale"
+        del self._leases[task_id]
+        task = self._tasks[task_id]
+        task.attempts += 1
+        task.errors.append(error)
+        if task.attempts < self.max_attempts:
+            self._pending.append(task_id)
+            self.counters["retried"] += 1
+            return "retry"
+        del self._tasks[task_id]
+        self.failed.append(task)
+        self._failed_ids.add(task_id)
+        self.counters["failed"] += 1
+        return "failed"
+
+    def worker_lost(self, worker_id: str, now: float) -> list[str]:
+        """All the worker's leases go to the front (lease order, partials kept); not an attempt."""
+        ids = [t for t, lease in self._leases.items() if lease.worker_id == worker_id]
+        self._requeue_front(ids, "lost")
+        return ids
+
+    def expire(self, now: float) -> list[str]:
+        """Leases past their deadline go to the front (lease order); returns their ids."""
+        ids = [t for t, lease in self._leases.items() if lease.deadline < now]
+        self._requeue_front(ids, "expired")
+        return ids
+
+    def _requeue_front(self, ids: list[str], counter: str) -> None:
+        for tid in ids:
+            del self._leases[tid]
+        self._pending.extendleft(reversed(ids))
+        self.counters[counter] += len(ids)
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Everything, in-flight leases included; JSON-able except the opaque partials (kept as given)."""
+        return {"version": STATE_VERSION,
+                "pending": [self._tasks[t].to_dict() for t in self._pending],
+                "leased": [{**self._tasks[t].to_dict(), "worker_id": lease.worker_id, "deadline": lease.deadline,
+                            "granted_at": lease.granted_at} for t, lease in self._leases.items()],
+                "completed_ids": sorted(self.completed_ids),
+                "failed": [t.to_dict() for t in self.failed],
+                "counters": dict(self.counters)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Replaces all state. Outstanding leases become pending at the front (their workers are gone
+        after a restart), in lease order, partials kept; this is not counted as lost/expired."""
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"work queue state version {d.get('version')!r}, expected {STATE_VERSION}")
+        self._clear()
+        self.completed_ids = set(d["completed_ids"])
+        self.failed = [GroupTask.from_dict(t) for t in d["failed"]]
+        self._failed_ids = {t.task_id for t in self.failed}
+        self.counters.update({k: int(v) for k, v in d["counters"].items() if k in self.counters})
+        for t in [*d["leased"], *d["pending"]]:
+            self.add(GroupTask.from_dict(t))

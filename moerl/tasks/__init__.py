@@ -1,0 +1,22 @@
+"""Tasks: deterministic prompt streams with verifiable rewards, loaded by dotted path.
+
+See `moerl.tasks.base` for the protocol; built-ins are `moerl.tasks.arithmetic:ArithmeticTask`
+(synthetic, download-free) and `moerl.tasks.jsonl:JsonlTask` (local prompt/answer files).
+"""
+
+from moerl.tasks.base import (
+    Prompt,
+    Task,
+    TaskError,
+    Tokenizer,
+    completion_text,
+    derive_seed,
+    load_task,
+    safe_reward,
+)
+from moerl.tasks.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
+
+__all__ = [
+    "ByteTokenizer", "HFTokenizer", "Prompt", "Task", "TaskError", "Tokenizer", "completion_text",
+    "derive_seed", "load_task", "make_tokenizer", "safe_reward",
+]

@@ -1,0 +1,112 @@
+"""Tokenizers behind the `Tokenizer` protocol: a dependency-free byte tokenizer and an HF adapter.
+
+`ByteTokenizer` lets tests, demos and random-init models run with no downloads: ids 0..2 are the
+specials (pad, bos, eos) and byte b is id b + 3, so vocab_size is 259. `HFTokenizer` wraps a
+`transformers` or raw `tokenizers` tokenizer loaded from a local directory, for real checkpoints;
+both packages are imported lazily so the byte path needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moerl.tasks.base import TaskError, Tokenizer
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past three specials. `encode` adds no specials; `decode` skips them."""
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    offset = 3
+    vocab_size = 256 + offset
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        """Bytes of the non-special ids; callers cut at EOS first. Broken UTF-8 (a sampled
+        partial character) becomes U+FFFD rather than an error; an id outside the vocab raises."""
+        out = bytearray()
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} outside the byte vocabulary [0, {self.vocab_size})")
+            if i >= self.offset:
+                out.append(i - self.offset)
+        return out.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Adapter over a `transformers` tokenizer or a `tokenizers.Tokenizer`.
+
+    Special ids come from the wrapped tokenizer (transformers) or must be given (raw `tokenizers`,
+    which knows no roles). pad falls back to eos; bos may be None (Qwen-style tokenizers have none).
+    """
+
+    def __init__(self, inner: Any, *, eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 bos_token_id: int | None = None) -> None:
+        self.inner = inner
+        self._raw = hasattr(inner, "token_to_id") and not hasattr(inner, "convert_tokens_to_ids")
+        eos = eos_token_id if eos_token_id is not None else getattr(inner, "eos_token_id", None)
+        if eos is None:
+            raise TaskError("tokenizer has no EOS token: completions could never end")
+        pad = pad_token_id if pad_token_id is not None else getattr(inner, "pad_token_id", None)
+        self.eos_token_id: int = int(eos)
+        self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_id
+        bos = bos_token_id if bos_token_id is not None else getattr(inner, "bos_token_id", None)
+        self.bos_token_id: int | None = None if bos is None else int(bos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size(with_added_tokens=True) if self._raw else len(self.inner)
+
+    def encode(self, text: str) -> list[int]:
+        out = self.inner.encode(text, add_special_tokens=False)
+        return list(out.ids if self._raw else out)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(list(ids), skip_special_tokens=True)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> HFTokenizer:
+        """Load from a local directory only (never the network): transformers if installed, else
+        `tokenizers` from tokenizer.json with special tokens read from tokenizer_config.json."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise TaskError(f"tokenizer directory {str(directory)!r} not found")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            return cls._from_tokenizers_json(directory)
+        try:
+            return cls(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
+        except (OSError, ValueError) as exc:
+            raise TaskError(f"cannot load tokenizer from {str(directory)!r}: {exc}") from exc
+
+    @classmethod
+    def _from_tokenizers_json(cls, directory: Path) -> HFTokenizer:
+        try:
+            from tokenizers import Tokenizer as RawTokenizer
+        except ImportError as exc:
+            raise TaskError("loading an HF tokenizer needs `transformers` or `tokenizers` installed") from exc
+        file = directory / "tokenizer.json"
+        if not file.is_file():
+            raise TaskError(f"no tokenizer.json in {str(directory)!r}")
+        raw = RawTokenizer.from_file(str(file))
+        config_file = directory / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+        def special(role: str) -> int | None:
+            token = config.get(f"{role}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            return raw.token_to_id(token) if token else None
+
+        return cls(raw, eos_token_id=special("eos"), pad_token_id=special("pad"), bos_token_id=special("bos"))
+
+
+def make_tokenizer(spec: str) -> Tokenizer:
+    """`"byte"` -> ByteTokenizer, anything else is a local HF tokenizer directory."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer.from_pretrained(spec)

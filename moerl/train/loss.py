@@ -1,0 +1,286 @@
+"""The RL policy loss: GRPO group advantages and a decoupled, importance-corrected PPO-clip objective.
+
+Shape legend: B sequences, T positions (completion tokens, right-padded; `mask_BT` is True on real tokens),
+G samples per group (one prompt sampled G times), N groups.
+
+Three policies appear per token (asynchronous RL, AReaL's "decoupled PPO"):
+
+* current   pi_theta   `logprobs_BT`            the trainer's log-probs now, with grad;
+* proximal  pi_prox    `proximal_logprobs_BT`   the trainer's log-probs at the start of this optimizer step
+                                                 (no grad; equals `logprobs_BT.detach()` with one minibatch
+                                                 per step);
+* behaviour mu         `behaviour_logprobs_BT`  what the rollout engine reported when it sampled the token,
+                                                 possibly several policy versions old.
+
+Per valid token, with A the sequence's advantage:
+
+    r  = exp(logprobs - proximal)                        PPO ratio, clipped to [1 - clip_eps_low, 1 + clip_eps_high]
+    w  = exp(proximal - behaviour)                       off-policy correction, detached
+         tis : min(w, is_cap)                            truncated importance sampling
+         mask: w if is_mask_low <= w <= is_cap else 0    tokens outside the band drop out of the policy term
+         none: 1
+    loss = -w * min(r * A, clip(r) * A)
+           + kl_coef * (exp(ref - logprobs) - (ref - logprobs) - 1)      k3 estimator of KL(pi_theta || pi_ref)
+           - entropy_coef * entropy
+
+The IS weight multiplies the policy-gradient term only; the KL and entropy terms and the normaliser count every
+valid token, so the denominator of the loss depends on the mask alone (what `token_count` returns), never on
+the log-probs, and ranks can agree on it before the forward pass.
+
+Aggregation over the valid tokens:
+
+    token-mean           sum over all valid tokens of the batch / number of valid tokens
+    seq-mean-token-sum   per sequence: sum over its tokens; then mean over the non-empty sequences
+    seq-mean-token-mean  per sequence: mean over its tokens; then mean over the non-empty sequences
+
+Padding positions may hold any value (0, -inf, NaN): every input is replaced by 0 there before any arithmetic,
+so they contribute neither to the loss nor (as NaN) to the gradient; all-masked rows are skipped.
+
+Data parallel: pass `global_tokens` (token-mean) or `global_seqs` (seq-* variants), the sum over ranks of
+`token_count(mask_BT)` / `sequence_count(mask_BT)`. Each rank's loss is then its share of the global loss, and
+SUMMING the per-rank gradients (all-reduce SUM, not DDP's average) gives exactly the single-process gradient of
+the whole batch. The loss value reported is likewise the rank's share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from moerl.config import require
+
+__all__ = [
+    "LossConfig",
+    "group_advantages",
+    "policy_loss",
+    "sequence_count",
+    "token_count",
+]
+
+ISCorrection = Literal["tis", "mask", "none"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+# exp() of log-weights beyond this is clamped: keeps the IS statistics finite when the behaviour log-prob of a
+# token is absurdly low (e^20 ~ 5e8, far above any sensible is_cap, so truncation/masking are unaffected).
+_MAX_LOG_WEIGHT = 20.0
+
+
+@dataclass
+class LossConfig:
+    clip_eps_low: float = 0.2  # PPO clip: ratio lower bound is 1 - clip_eps_low
+    clip_eps_high: float = 0.28  # PPO clip: ratio upper bound is 1 + clip_eps_high (DAPO clip-higher)
+    is_correction: ISCorrection = "tis"  # behaviour->proximal correction: truncate (tis), mask, or none
+    is_cap: float = 2.0  # TIS truncation cap; upper bound of the band kept by "mask"
+    is_mask_low: float = 0.5  # lower bound of the band kept by "mask"
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy; 0 = off
+    aggregation: Aggregation = "token-mean"  # how per-token losses are averaged
+    normalize_adv_std: bool = True  # GRPO: divide group-centred rewards by the group std
+    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
+
+    def validate(self) -> None:
+        """Raise ValueError (moerl.config.CheckFailed) naming the offending field."""
+        for name in ("clip_eps_low", "clip_eps_high", "is_cap", "is_mask_low", "kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                    name, f"must be a finite number, got {value!r}")
+        require(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}")
+        require(self.clip_eps_high >= 0.0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
+        require(self.is_correction in get_args(ISCorrection), "is_correction",
+                f"must be one of {list(get_args(ISCorrection))}, got {self.is_correction!r}")
+        require(self.is_cap >= 1.0, "is_cap", f"must be >= 1 (on-policy weight 1 must pass), got {self.is_cap}")
+        require(0.0 <= self.is_mask_low <= 1.0, "is_mask_low", f"must be in [0, 1], got {self.is_mask_low}")
+        require(self.kl_coef >= 0.0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        require(self.entropy_coef >= 0.0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        require(self.aggregation in get_args(Aggregation), "aggregation",
+                f"must be one of {list(get_args(Aggregation))}, got {self.aggregation!r}")
+        require(isinstance(self.normalize_adv_std, bool), "normalize_adv_std",
+                f"must be a bool, got {self.normalize_adv_std!r}")
+
+
+# ------------------------------------------------------------------------------------------ advantages
+def group_advantages(rewards_G_or_BG: Tensor, normalize_std: bool, eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: reward minus its group's mean, optionally divided by the group's std (unbiased=False).
+
+    `rewards_G_or_BG` is [G] (one group) or [N, G] (N groups of G); the result has the same shape, float32 (or
+    the input's float dtype if wider). Groups whose rewards are all equal get exactly zero advantage (no NaN,
+    no rounding noise blown up by the division). Flatten [N, G] -> [N*G] for `policy_loss`'s advantages_B.
+    """
+    if rewards_G_or_BG.dim() not in (1, 2):
+        raise ValueError(f"rewards must be [G] or [N, G], got shape {tuple(rewards_G_or_BG.shape)}")
+    if rewards_G_or_BG.shape[-1] == 0:
+        raise ValueError("rewards must have at least one sample per group (G >= 1)")
+    r_NG = rewards_G_or_BG if rewards_G_or_BG.dim() == 2 else rewards_G_or_BG.unsqueeze(0)
+    dtype = torch.promote_types(r_NG.dtype, torch.float32) if r_NG.is_floating_point() else torch.float32
+    r_NG = r_NG.to(dtype)
+    adv_NG = r_NG - r_NG.mean(dim=-1, keepdim=True)
+    if normalize_std:
+        adv_NG = adv_NG / (r_NG.std(dim=-1, keepdim=True, unbiased=False) + eps)
+    constant_N1 = (r_NG == r_NG[:, :1]).all(dim=-1, keepdim=True)
+    adv_NG = torch.where(constant_N1, torch.zeros_like(adv_NG), adv_NG)
+    return adv_NG if rewards_G_or_BG.dim() == 2 else adv_NG.squeeze(0)
+
+
+# ------------------------------------------------------------------------------------------ counting
+def token_count(mask_BT: Tensor) -> int:
+    """Valid (completion) tokens in the batch; all-reduce SUM it across ranks for `global_tokens`."""
+    return int(mask_BT.bool().sum().item())
+
+
+def sequence_count(mask_BT: Tensor) -> int:
+    """Sequences with at least one valid token; all-reduce SUM it across ranks for `global_seqs`."""
+    return int(mask_BT.bool().any(dim=-1).sum().item())
+
+
+# ------------------------------------------------------------------------------------------ loss
+def policy_loss(
+    logprobs_BT: Tensor,
+    proximal_logprobs_BT: Tensor,
+    behaviour_logprobs_BT: Tensor,
+    advantages_B: Tensor,
+    mask_BT: Tensor,
+    config: LossConfig,
+    ref_logprobs_BT: Tensor | None = None,
+    entropy_BT: Tensor | None = None,
+    *,
+    global_tokens: int | None = None,
+    global_seqs: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled PPO-clip loss with importance correction, optional k3 KL and entropy terms (see module doc).
+
+    `advantages_B` is [B] (one advantage per sequence) or [B, T] (per token). `mask_BT` is bool or 0/1.
+    `global_tokens` (token-mean) / `global_seqs` (seq-* aggregations): the normaliser summed over all
+    data-parallel ranks; None = this batch's own count. The one not matching `config.aggregation` is ignored.
+    Returns a scalar loss (float32; float64 for float64 inputs) differentiable w.r.t. `logprobs_BT` and
+    `entropy_BT`, and python-float metrics: local means over this rank's valid tokens (0.0 when there are none).
+    """
+    config.validate()
+    if logprobs_BT.dim() != 2:
+        raise ValueError(f"logprobs_BT must be [B, T], got shape {tuple(logprobs_BT.shape)}")
+    B, T = logprobs_BT.shape
+    for name, t in (("proximal_logprobs_BT", proximal_logprobs_BT), ("behaviour_logprobs_BT", behaviour_logprobs_BT),
+                    ("mask_BT", mask_BT), ("ref_logprobs_BT", ref_logprobs_BT), ("entropy_BT", entropy_BT)):
+        if t is not None and t.shape != logprobs_BT.shape:
+            raise ValueError(f"{name} must have shape {(B, T)} like logprobs_BT, got {tuple(t.shape)}")
+    if config.kl_coef > 0 and ref_logprobs_BT is None:
+        raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs_BT")
+    if config.entropy_coef > 0 and entropy_BT is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef} needs entropy_BT")
+    if advantages_B.shape not in ((B,), (B, T)):
+        raise ValueError(f"advantages_B must be [B] or [B, T] = {(B,)} or {(B, T)}, got {tuple(advantages_B.shape)}")
+
+    mask = mask_BT.bool()
+    dtype = torch.promote_types(logprobs_BT.dtype, torch.float32)  # bf16 -> fp32; fp64 stays
+    zero = logprobs_BT.new_zeros((), dtype=dtype)
+
+    def clean(t: Tensor) -> Tensor:  # exactly 0 at padding, whatever was there: no NaN leaks into the gradient
+        return torch.where(mask, t.to(dtype), zero)
+
+    lp = clean(logprobs_BT)
+    prox = clean(proximal_logprobs_BT.detach())
+    beh = clean(behaviour_logprobs_BT.detach())
+    adv = advantages_B.detach()
+    adv = clean(adv.unsqueeze(1).expand(B, T) if adv.dim() == 1 else adv)
+
+    # PPO clip against the proximal policy.
+    lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
+    ratio = torch.exp(lp - prox)
+    surr = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+
+    # Off-policy correction behaviour -> proximal.
+    log_w = (prox - beh).clamp(-_MAX_LOG_WEIGHT, _MAX_LOG_WEIGHT)
+    w_raw = torch.exp(log_w)
+    if config.is_correction == "tis":
+        w = w_raw.clamp(max=config.is_cap)
+    elif config.is_correction == "mask":
+        w = torch.where((w_raw >= config.is_mask_low) & (w_raw <= config.is_cap), w_raw, zero)
+    else:
+        w = torch.ones_like(w_raw)
+
+    pg_tok = -w * surr
+    loss_tok = pg_tok
+    kl_tok = None
+    if ref_logprobs_BT is not None:
+        d = clean(ref_logprobs_BT.detach()) - lp
+        kl_tok = torch.exp(d) - d - 1.0
+        if config.kl_coef != 0.0:
+            loss_tok = loss_tok + config.kl_coef * kl_tok
+    ent_tok = None
+    if entropy_BT is not None:
+        ent_tok = clean(entropy_BT)
+        if config.entropy_coef != 0.0:
+            loss_tok = loss_tok - config.entropy_coef * ent_tok
+
+    loss = _aggregate(loss_tok, mask, config.aggregation, global_tokens, global_seqs)
+
+    with torch.no_grad():  # every statistic as a 0-d tensor, then one host transfer (one sync on GPU)
+        m = mask.to(dtype)
+        n = m.sum()
+        inv_n = 1.0 / n.clamp(min=1.0)
+        has = n > 0
+
+        def mean(t: Tensor) -> Tensor:
+            return (t.to(dtype) * m).sum() * inv_n
+
+        def extreme(t: Tensor, fn) -> Tensor:  # max/min over valid tokens, 0 when there are none
+            fill = -math.inf if fn is torch.amax else math.inf
+            return torch.where(has, fn(torch.where(mask, t, fill)), zero)
+
+        masked = (w == 0) & mask if config.is_correction == "mask" else torch.zeros_like(mask)
+        truncated = (w_raw > config.is_cap) & mask if config.is_correction == "tis" else torch.zeros_like(mask)
+        clip_low = (adv < 0) & (ratio < lo) & mask
+        clip_high = (adv > 0) & (ratio > hi) & mask
+        kl_beh = w_raw - 1.0 - log_w  # k3, samples from mu, w = pi_prox/mu: E_mu[w - 1 - log w] = KL(mu || pi_prox)
+        stats = {
+            "loss/policy": loss.detach(),
+            "loss/pg": _aggregate(pg_tok, mask, config.aggregation, global_tokens, global_seqs),
+            "policy/clip_frac": mean(clip_low | clip_high),
+            "policy/clip_frac_low": mean(clip_low),
+            "policy/clip_frac_high": mean(clip_high),
+            "policy/ratio_mean": mean(ratio),
+            "policy/ratio_max": extreme(ratio, torch.amax),
+            "is/weight_mean": mean(w_raw),
+            "is/weight_max": extreme(w_raw, torch.amax),
+            "is/weight_min": extreme(w_raw, torch.amin),
+            "is/weight_used_mean": mean(w),
+            "is/truncated_frac": mean(truncated),
+            "is/masked_frac": mean(masked),
+            "is/masked_tokens": masked.sum(),
+            "is/behaviour_kl": mean(kl_beh),
+            "tokens": n,
+            "sequences": mask.any(dim=-1).sum(),
+        }
+        if kl_tok is not None:
+            stats["loss/kl_ref"] = mean(kl_tok)
+        if ent_tok is not None:
+            stats["policy/entropy"] = mean(ent_tok)
+        values = torch.stack([v.to(torch.float64) for v in stats.values()]).tolist()
+        metrics = dict(zip(stats, values))
+    return loss, metrics
+
+
+def _aggregate(loss_BT: Tensor, mask_BT: Tensor, aggregation: str,
+               global_tokens: int | None, global_seqs: int | None) -> Tensor:
+    """Reduce per-token losses (already 0 at padding) to a scalar; see the module doc. Never NaN."""
+    m = mask_BT.to(loss_BT.dtype)
+    if aggregation == "token-mean":
+        return (loss_BT * m).sum() / _normaliser("global_tokens", global_tokens, m.sum())
+    lengths_B = m.sum(dim=-1)
+    seq_B = (loss_BT * m).sum(dim=-1)
+    if aggregation == "seq-mean-token-mean":
+        seq_B = seq_B / lengths_B.clamp(min=1.0)  # empty rows: 0 / 1 = 0
+    elif aggregation != "seq-mean-token-sum":
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+    return seq_B.sum() / _normaliser("global_seqs", global_seqs, (lengths_B > 0).to(m.dtype).sum())
+
+
+def _normaliser(name: str, global_count: int | None, local: Tensor) -> Tensor | float:
+    """The local count as a tensor (no host sync), or the given global count after a sanity check."""
+    if global_count is None:
+        return local.clamp(min=1.0)
+    if global_count < int(local):
+        raise ValueError(f"{name}={global_count} is smaller than this rank's own count {int(local)}")
+    return float(max(global_count, 1))

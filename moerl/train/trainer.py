@@ -1,0 +1,188 @@
+"""One trainer rank: the policy's loss on rollout samples (routing replay on), gradient sync, optimizer step.
+
+Shape legend: B sequences on this rank, T positions (right-padded), V vocabulary, L MoE layers, K top-k.
+
+Parallelism: the trainer group is one torch.distributed group (gloo on CPU, NCCL on GPU) of `world` ranks;
+data parallel over all ranks, and expert parallel over all of them when `ep_size == world` (each rank holds
+E/world experts; the dispatcher's combine-backward already brings every rank's gradient to the expert's
+owner, so expert gradients are not all-reduced, only the replicated parameters are). Gradients are summed
+with losses normalised by the global token count, so N ranks step exactly like one rank on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moerl.model.transformer import MoECausalLM
+from moerl.train.loss import LossConfig, policy_loss
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class Sample:
+    """One trained sample as the trainer needs it (built by the controller from a Completion)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    routed_experts: torch.Tensor | None = None  # int16 [len(prompt) + len(completion) - 1, L, K]
+
+
+@dataclass
+class Batch:
+    input_ids_BT: torch.Tensor
+    target_ids_BT: torch.Tensor
+    mask_BT: torch.Tensor  # True where the target is a completion token
+    behaviour_BT: torch.Tensor
+    advantages_B: torch.Tensor
+    routed_BTLK: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def collate(samples: list[Sample], num_moe_layers: int, top_k: int, device: torch.device | str) -> Batch:
+    """Right-pad samples into tensors. Inputs are prompt + completion[:-1]: the positions the engine ran."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
+    B, T = len(samples), max(lengths, default=1)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    targets = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    behaviour = torch.zeros(B, T)
+    routed = torch.zeros(B, T, num_moe_layers, top_k, dtype=torch.long)
+    have_routing = all(s.routed_experts is not None for s in samples)
+    for b, s in enumerate(samples):
+        seq = s.prompt_ids + s.completion_ids
+        n, p = lengths[b], len(s.prompt_ids)
+        ids[b, :n] = torch.tensor(seq[:-1])
+        targets[b, :n] = torch.tensor(seq[1:])
+        mask[b, p - 1: n] = True
+        behaviour[b, p - 1: n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        if have_routing:
+            if s.routed_experts.shape[0] != n:
+                raise ValueError(f"sample {b}: routed_experts covers {s.routed_experts.shape[0]} positions, "
+                                 f"expected prompt + completion - 1 = {n}")
+            routed[b, :n] = s.routed_experts.long()
+    return Batch(ids.to(device), targets.to(device), mask.to(device), behaviour.to(device),
+                 torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
+                 routed.to(device) if have_routing else None)
+
+
+class PolicyTrainer:
+    def __init__(self, model: MoECausalLM, optim: OptimConfig, loss: LossConfig, *,
+                 group: dist.ProcessGroup | None = None, expert_parallel: bool = False,
+                 routing_replay: bool = True, aux_loss_coef: float = 0.0, expert_bias_rate: float = 0.0) -> None:
+        self.model, self.optim_cfg, self.loss_cfg = model, optim, loss
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.expert_parallel = expert_parallel
+        self.routing_replay, self.aux_loss_coef, self.expert_bias_rate = routing_replay, aux_loss_coef, expert_bias_rate
+        if expert_bias_rate > 0:
+            model.enable_expert_bias()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
+                                           weight_decay=optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / optim.warmup_steps) if optim.warmup_steps else 1.0)
+        self.device = next(model.parameters()).device
+        self.steps_done = 0
+
+    def _is_expert_param(self, name: str) -> bool:
+        return self.expert_parallel and ".experts." in name
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.group is not None and self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def token_logprobs(self, batch: Batch, replay: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        out = self.model.forward_full(batch.input_ids_BT, routed_experts_BTLK=batch.routed_BTLK if replay else None,
+                                      with_aux_loss=self.aux_loss_coef > 0)
+        logp_BTV = torch.log_softmax(out.logits_BTV.float(), dim=-1)
+        return logp_BTV.gather(-1, batch.target_ids_BT[..., None]).squeeze(-1), out.aux_loss, out.expert_counts_LE
+
+    def rl_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the policy loss; every rank calls it with its share of the batch."""
+        self.model.train()
+        global_tokens = int(self._all_reduce(batch.mask_BT.sum().to(torch.float64)).item())
+        replay = self.routing_replay and batch.routed_BTLK is not None
+        logp_BT, aux, counts_LE = self.token_logprobs(batch, replay)
+        loss, metrics = policy_loss(logp_BT, logp_BT.detach(), batch.behaviour_BT, batch.advantages_B,
+                                    batch.mask_BT, self.loss_cfg, global_tokens=max(global_tokens, 1))
+        if aux is not None:
+            loss = loss + self.aux_loss_coef * aux / self.world
+            metrics["loss/aux"] = float(aux)
+        return self._apply(loss, metrics, counts_LE, global_tokens)
+
+    def sft_step(self, batch: Batch) -> dict[str, float]:
+        """Supervised warm start: token-mean cross-entropy of the completion tokens."""
+        self.model.train()
+        global_tokens = int(self._all_reduce(batch.mask_BT.sum().to(torch.float64)).item())
+        logp_BT, _, counts_LE = self.token_logprobs(batch, replay=False)
+        loss = -(logp_BT * batch.mask_BT).sum() / max(global_tokens, 1)
+        return self._apply(loss, {"loss/sft": float(loss) * self.world}, counts_LE, global_tokens)
+
+    def _apply(self, loss: torch.Tensor, metrics: dict, counts_LE: torch.Tensor, tokens: int) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        replicated = [p for n, p in self.model.named_parameters() if p.grad is not None and not self._is_expert_param(n)]
+        if self.world > 1 and replicated:  # one flat all-reduce rather than one per parameter
+            flat = torch.cat([p.grad.reshape(-1) for p in replicated])
+            self._all_reduce(flat)
+            offset = 0
+            for p in replicated:
+                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        metrics["grad_norm"] = self._clip_grad_norm()
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.expert_bias_rate > 0:
+            counts = self._all_reduce(counts_LE.clone())
+            for block, layer_counts in zip(self.model.moe_blocks, counts):
+                block.gate.update_expert_bias(layer_counts, self.expert_bias_rate)
+        self.steps_done += 1
+        metrics.update({"lr": self.scheduler.get_last_lr()[0], "tokens": tokens})
+        metrics["expert_counts"] = self._all_reduce(counts_LE.clone()).tolist()
+        return metrics
+
+    def _clip_grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for n, p in self.model.named_parameters():
+            if p.grad is not None:
+                s = p.grad.detach().double().pow(2).sum()
+                if self._is_expert_param(n):
+                    expert_sq += s
+                else:
+                    sq += s
+        total = sq + self._all_reduce(expert_sq)  # expert shards are disjoint across ranks
+        norm = math.sqrt(float(total))
+        if self.optim_cfg.grad_clip > 0 and norm > self.optim_cfg.grad_clip:
+            scale = self.optim_cfg.grad_clip / (norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def publish_state(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the policy weights for the rollout workers (CPU tensors).
+
+        Without EP only rank 0's copy is needed; with EP every rank sends its expert slices (the worker
+        places them by the rank's expert offset) and rank 0 also sends the replicated parameters.
+        """
+        rank = dist.get_rank(self.group) if self.group is not None else 0
+        out = {}
+        for name, t in self.model.state_dict().items():
+            if self._is_expert_param(name) or (rank == 0 and not name.endswith("expert_bias")) or name.endswith("expert_bias") and rank == 0:
+                out[name] = t.detach().to("cpu", copy=True)
+        return out
