@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/moerl demo
+	RAY_AUTH_MODE=disabled $(VENV)/bin/moerl train configs/demo.toml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -ra
 
 clean:
 	rm -rf $(VENV) runs
