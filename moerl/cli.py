@@ -12,7 +12,8 @@ import argparse
 import importlib
 import sys
 
-BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout"}
+BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
+           "async": "moerl.bench.async_loop"}
 
 
 def _bench(argv: list[str]) -> int:

@@ -104,7 +104,10 @@ class Controller:
 
     def _collect(self, timeout: float) -> None:
         for ref, result, error in self.workers.wait(self.inflight, timeout):
-            worker_id, task_id = self.inflight.pop(ref)
+            entry = self.inflight.pop(ref, None)
+            if entry is None:  # dropped already: its worker was declared lost earlier in this batch
+                continue
+            worker_id, task_id = entry
             now = time.monotonic()
             if error is not None:  # the actor died (SIGKILL, node lost): its leases go back
                 self._worker_lost(worker_id, now)

@@ -24,13 +24,19 @@ from moerl.train.trainer import OptimConfig, Sample
 def model_architecture(cfg: MoerlConfig, task: Task) -> MoEModelConfig:
     if cfg.model.path:
         return read_config(cfg.model.path)
-    if cfg.model.preset != "tiny":
-        raise ValueError(f"config key 'model.preset' {cfg.model.preset!r} is unknown (known: 'tiny'); "
+    presets = {  # random-init architectures for runs without a checkpoint
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=64, intermediate_size=128),
+        "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=32, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
+                      intermediate_size=512),
+    }
+    if cfg.model.preset not in presets:
+        raise ValueError(f"config key 'model.preset' {cfg.model.preset!r} is unknown (known: {sorted(presets)}); "
                          "or set model.path to a Hugging Face checkpoint")
     # Exactly the tokenizer's vocabulary: a random model must not sample ids the tokenizer cannot decode.
-    return tiny_config(vocab_size=task.tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
-                       moe_intermediate_size=64, intermediate_size=128,
-                       eos_token_id=task.tokenizer.eos_token_id, max_position_embeddings=cfg.rollout.max_seq_len)
+    return tiny_config(vocab_size=task.tokenizer.vocab_size, eos_token_id=task.tokenizer.eos_token_id,
+                       max_position_embeddings=cfg.rollout.max_seq_len, **presets[cfg.model.preset])
 
 
 def resolve_device(cfg: MoerlConfig) -> str:
@@ -103,10 +109,12 @@ def train(cfg: MoerlConfig) -> dict:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     started_ray = not ray.is_initialized()
     if started_ray:
+        if not address:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance on 127.0.0.1
         init = {"address": address} if address else {
             "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
         ray.init(**init, log_to_driver=cfg.run.log_level == "debug",
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     log = RunLog(run_dir)
     progress = Progress(cfg.train.steps)
     t_start = time.monotonic()
