@@ -159,6 +159,64 @@ class RayConfig:
     num_cpus: int = 0  # CPUs for a local Ray; 0 = let Ray decide
 
 
+_TOLERATION = re.compile(r"[A-Za-z0-9./_-]+(=[A-Za-z0-9._-]*)?(:(NoSchedule|PreferNoSchedule|NoExecute))?")
+
+
+@dataclass
+class LaunchConfig:
+    """`moerl launch` (moerl/launch, docs/eks.md): TorchX apps; on Kubernetes, Volcano jobs on EKS."""
+
+    name: str = ""  # jobs are <name>-trainer and <name>-rollout; empty = run.name
+    image: str = ""  # container image with moerl installed (required by the kubernetes scheduler)
+    namespace: str = "default"  # Kubernetes namespace of the jobs
+    queue: str = "default"  # Volcano queue
+    service_account: str = ""  # pods' service account (IRSA role for the S3 bucket); empty = the namespace's
+    priority_class: str = ""  # pods' PriorityClass; empty = none
+    zone: str = ""  # the one availability zone every pod is pinned to (required by the kubernetes scheduler)
+    instance_type: str = "p5en.48xlarge"  # node preset: p5.48xlarge | p5en.48xlarge | p6-b200.48xlarge
+    trainer_nodes: int = 1  # trainer pods, one per node; rank 0 runs the Ray head and the controller
+    trainer_capacity: Literal["on_demand", "spot"] = "on_demand"  # the trainer must be on-demand
+    trainer_max_retries: int = 3  # restarts of the whole trainer job after a pod fails or is evicted
+    trainer_grace_s: int = 60  # terminationGracePeriodSeconds of trainer pods
+    rollout_nodes: int = 0  # rollout pods (spot), one per node; 0 = no rollout job
+    rollout_min_nodes: int = 1  # the rollout job starts with this many pods; it grows to rollout_nodes
+    rollout_instance_type: str = ""  # empty = instance_type
+    rollout_capacity: Literal["spot", "on_demand"] = "spot"  # capacity type of the rollout nodes
+    rollout_max_retries: int = 1000  # restarts of one rollout pod (a spot reclaim is one)
+    rollout_grace_s: int = 120  # terminationGracePeriodSeconds of rollout pods (>= 90: two-minute spot notice)
+    gpus_per_node: int = -1  # GPUs per pod; -1 = all of the instance type
+    efa_per_node: int = -1  # EFA devices per pod; -1 = all of the instance type, 0 = none
+    hugepages_mib: int = 5120  # hugepages-2Mi per pod for libfabric, when EFA is requested
+    cpus_per_node: float = 0.0  # CPU request per pod; 0 = the preset's (vCPUs less room for daemons)
+    memory_gib_per_node: int = 0  # memory request per pod; 0 = the preset's
+    tolerations: list[str] = field(default_factory=lambda: ["nvidia.com/gpu:NoSchedule"])  # `key[=value][:effect]`
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every pod
+    volumes: dict[str, str] = field(default_factory=dict)  # PersistentVolumeClaim name -> mount path
+    ray_port: int = 6379  # Ray head (GCS) port on trainer rank 0
+    head_wait_s: int = 1800  # a rollout pod without a Ray head this long exits (the trainer job is over)
+
+    def validate(self) -> None:
+        require(self.name == "" or re.fullmatch(r"[a-z]([a-z0-9-]{0,30}[a-z0-9])?", self.name) is not None,
+                "name", "must be a DNS label of at most 32 characters (a-z, 0-9, -)")
+        require(self.trainer_capacity == "on_demand", "trainer_capacity",
+                "must be 'on_demand': the trainer restarts as a whole, so spot capacity is for rollout only")
+        require(self.trainer_nodes >= 1, "trainer_nodes", "must be >= 1")
+        require(self.rollout_nodes >= 0, "rollout_nodes", "must be >= 0")
+        require(1 <= self.rollout_min_nodes <= max(self.rollout_nodes, 1), "rollout_min_nodes",
+                "must be in [1, rollout_nodes]")
+        require(self.rollout_grace_s >= 90, "rollout_grace_s", "must be >= 90 s (a spot worker hands back its work)")
+        for key in ("trainer_max_retries", "rollout_max_retries", "trainer_grace_s", "hugepages_mib"):
+            require(getattr(self, key) >= 0, key, "must be >= 0")
+        require(self.hugepages_mib % 2 == 0, "hugepages_mib", "must be a multiple of 2 (2 MiB pages)")
+        for key in ("gpus_per_node", "efa_per_node"):
+            require(getattr(self, key) >= -1, key, "must be >= 0, or -1 for all of the instance type")
+        for spec in self.tolerations:
+            require(_TOLERATION.fullmatch(spec) is not None, "tolerations",
+                    f"entry {spec!r} is not `key[=value][:NoSchedule|PreferNoSchedule|NoExecute]`")
+        require(all(p.startswith("/") for p in self.volumes.values()), "volumes", "mount paths must be absolute")
+        require(1 <= self.ray_port <= 65535, "ray_port", "must be a TCP port")
+
+
 @dataclass
 class MoerlConfig:
     run: RunConfig = field(default_factory=RunConfig)
@@ -169,6 +227,7 @@ class MoerlConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def checkpoint_dir(self) -> str:
         """`checkpoint.dir`, or `<run.dir>/checkpoints` when that is empty."""

@@ -42,6 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="GPU 256, CPU 32")
     p.add_argument("--peer", default="dynamic,static", help="transformers cache implementations, or 'none'")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    p.add_argument("--profile", action="store_true", help="print the top ops of 5 decode steps")
     return p.parse_args(argv)
 
 
@@ -70,6 +71,28 @@ def _run_engine(engine: Engine, model, prompts, new_tokens: int) -> dict:
             "decode_steps": engine.stats["decode_steps"], "tokens": [tokens[k] for k in sorted(tokens, key=lambda r: int(r.split("-")[1]))],
             "graphs": engine.graphs is not None and
             engine.graphs.disabled_reason is None}
+
+
+def _profile_decode(engine: Engine, prompts, device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in prompts:
+        engine.submit(p, SamplingParams(max_new_tokens=64, temperature=0.0))
+    for _ in range(3):
+        engine.step()  # prefill, then steady decode
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            engine.step()
+        synchronize(device)
+    print(f"--- profile of 5 decode steps: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms/step wall (profiler on)")
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def _hf_model(model, impl: str = "grouped_mm"):
@@ -143,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up on the same engine at full batch: Triton compiles, CUDA-graph buckets up to R are captured.
     _run_engine(engine, model, prompts, 4)
     ours = _run_engine(engine, model, prompts, N)
+    if args.profile:
+        _profile_decode(engine, prompts, device)
     print(f"moerl: {ours['total_s']:.2f}s total, mean TTFT {ours['ttft_s'] * 1e3:.1f} ms, "
           f"{ours['decode_tok_s']:.0f} decode tok/s, CUDA graphs: {ours['graphs']}")
     peer, peer_name = None, "-"

@@ -138,10 +138,9 @@ class Controller:
         now = time.monotonic()
         for worker_id in self.workers.unresponsive(now):
             self._worker_lost(worker_id, now)
-        for task_id in self.queue.expire(now):
-            for ref, (wid, tid) in list(self.inflight.items()):
-                if tid == task_id:
-                    del self.inflight[ref]
+        # Expired leases go back to the queue; their calls stay in `inflight`: a result that still comes
+        # is dropped as late (the queue no longer holds its lease) and frees its worker's slot.
+        self.queue.expire(now)
         for worker_id in self.workers.replace_missing(self.state.version):
             self.queue.worker_lost(worker_id, now)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.rollout.sampling import SamplingBatch
+from moerl.rollout.sampling import SamplingBatch, sampling_hints
 
 if TYPE_CHECKING:
     from moerl.rollout.engine import Engine
@@ -34,25 +34,28 @@ class DecodeGraphs:
 
     def run(self, reqs, n: int):
         bucket = next(b for b in self.buckets if b >= n)
-        if self.disabled_reason is None and bucket not in self.captured:
+        # One graph per (bucket, sampling variant): greedy-only batches skip the noise, unfiltered ones the sort.
+        hints = sampling_hints(reqs)
+        key = (bucket, hints["all_greedy"], hints["any_filter"])
+        if self.disabled_reason is None and key not in self.captured:
             try:
-                self.captured[bucket] = self._capture(bucket)
+                self.captured[key] = self._capture(bucket, hints)
             except RuntimeError as e:  # fall back to eager rather than fail the rollout
                 self.disabled_reason = str(e).splitlines()[0]
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.disabled_reason}")
         if self.disabled_reason is not None:
             return self.engine._decode_eager(reqs, n)
-        graph, ids, pos, write, sampling, outs = self.captured[bucket]
+        graph, ids, pos, write, sampling, outs = self.captured[key]
         self.engine.decode_inputs(reqs, bucket, ids, pos, write, sampling)
         graph.replay()
         return outs
 
-    def _capture(self, n: int):
+    def _capture(self, n: int, hints: dict):
         dev = self.engine.device
         ids, pos = torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
         write = torch.full((n,), self.engine.cache.scratch_column, dtype=torch.long, device=dev)
         sampling = SamplingBatch.empty(n, dev)
-        run = lambda: self.engine.decode_forward(ids, pos, write, sampling, self.kv_len)  # noqa: E731
+        run = lambda: self.engine.decode_forward(ids, pos, write, sampling, self.kv_len, hints)  # noqa: E731
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS handles) outside the capture

@@ -24,7 +24,7 @@ import torch
 from moerl.model.transformer import MoECausalLM
 from moerl.rollout.decode_graphs import DecodeGraphs
 from moerl.rollout.kv_cache import ForwardPlan, SlabKVCache
-from moerl.rollout.sampling import SamplingBatch, SamplingParams, sample
+from moerl.rollout.sampling import SamplingBatch, SamplingParams, sample, sampling_hints
 from moerl.rollout.types import Completion, StepOutput
 
 
@@ -278,10 +278,11 @@ class Engine:
         # One vectorised write of every row's routing into its slot's row of the host-side routing table.
         slots = torch.tensor([r.slot for r in reqs])
         self.routing[slots, torch.tensor([r.num_computed for r in reqs])] = routing_BLK[slots]
+        tokens, logprobs = token_B.tolist(), logprob_B.tolist()  # two host lists, not 2 x 256 tensor indexings
         for req in reqs:
             req.num_routed = req.num_computed + 1
             req.num_computed += 1
-            self._append(req, int(token_B[req.slot]), float(logprob_B[req.slot]), outputs)
+            self._append(req, tokens[req.slot], logprobs[req.slot], outputs)
         self.stats["decode_tokens"] += len(reqs)
         self.stats["decode_steps"] += 1
 
@@ -316,13 +317,13 @@ class Engine:
         sampling = SamplingBatch.empty(n, dev)
         self.decode_inputs(reqs, n, ids_B, pos_B, write_B, sampling)
         kv_len = max(r.num_computed for r in reqs) + 1
-        return self.decode_forward(ids_B, pos_B, write_B, sampling, kv_len, _sampling_hints(reqs))
+        return self.decode_forward(ids_B, pos_B, write_B, sampling, kv_len, sampling_hints(reqs))
 
     def _sample_and_append(self, reqs: list[_Request], logits_BV: torch.Tensor, outputs) -> None:
         sampling = SamplingBatch.empty(len(reqs), self.device)
         sampling.set_rows(list(range(len(reqs))), [r.params for r in reqs], [r.seed for r in reqs],
                           [len(r.tokens) for r in reqs])
-        token_B, logprob_B = sample(logits_BV, sampling, **_sampling_hints(reqs))
+        token_B, logprob_B = sample(logits_BV, sampling, **sampling_hints(reqs))
         for r, tok, lp in zip(reqs, token_B.tolist(), logprob_B.tolist()):
             self._append(r, tok, lp, outputs)
 
@@ -387,8 +388,3 @@ def _token_ids(tokens: Sequence[int]) -> list[int]:
     if bad:
         raise ValueError(f"prompt token ids must be integers, got {bad[:5]}")
     return out
-
-
-def _sampling_hints(reqs: list[_Request]) -> dict:
-    return {"all_greedy": all(r.params.greedy for r in reqs),
-            "any_filter": any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs)}

@@ -134,3 +134,10 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch, *, all_greedy: bool = 
     sampled_B = order_BV.gather(1, choice_B[:, None]).squeeze(1)
     token_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), sampled_B)
     return token_B, logprobs_BV.gather(1, token_B[:, None]).squeeze(1)
+
+
+def sampling_hints(reqs) -> dict:
+    """Host-side facts about a batch that let `sample` skip work: all greedy, or no top-k/top-p filter."""
+    params = [r.params for r in reqs]
+    return {"all_greedy": all(p.greedy for p in params),
+            "any_filter": any(p.top_k > 0 or p.top_p < 1.0 for p in params)}

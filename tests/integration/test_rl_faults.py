@@ -1,0 +1,584 @@
+"""Fault tolerance of the asynchronous RL loop on Ray: workers killed (SIGKILL) or preempted (SIGTERM, the
+EC2 IMDS spot notice) mid-run, rewards that raise, task modules that do not import, late results.
+
+The end-to-end tests run `train(cfg)` on a private local Ray (started and stopped by `train`) with a small
+config: a few SFT steps, ~14 RL steps, 12 new tokens per sample so that generation is in flight when a
+background thread strikes a worker. Every wait is a bounded poll with a deadline.
+
+    PYTHONPATH=. RAY_AUTH_MODE=disabled python -m pytest tests/integration/test_rl_faults.py -m integration
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.config import load_config
+from moerl.orchestration.run_log import read_jsonl
+from moerl.tasks.arithmetic import ArithmeticTask
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / "demo.toml"
+FLAKY = "tests.integration.test_rl_faults:FlakyTask"
+GROUP = 4
+STEPS = 14
+
+pytestmark = pytest.mark.integration
+
+
+# ------------------------------------------------------------------------------------------ helpers
+class FlakyTask(ArithmeticTask):
+    """Arithmetic whose reward raises for a deterministic subset of completions (token-id sum % 3 == 0)."""
+
+    @staticmethod
+    def flaky(completion_token_ids: list[int]) -> bool:
+        return sum(completion_token_ids) % 3 == 0
+
+    def reward(self, prompt, completion_token_ids):
+        if self.flaky(completion_token_ids):
+            raise ValueError(f"flaky reward for {prompt.task_id}")
+        return super().reward(prompt, completion_token_ids)
+
+
+def small_config(run_dir: Path, *extra: str, steps: int = STEPS):
+    return load_config(DEMO, [
+        f"--run.dir={run_dir}", "--train.sft_steps=5", "--train.sft_batch=32", f"--train.steps={steps}",
+        "--train.batch_groups=4", "--train.max_staleness=4", f"--rollout.group_size={GROUP}",
+        "--rollout.max_new_tokens=12", "--task.options.max_operand=999", "--rollout.heartbeat_s=0.5",
+        "--rollout.heartbeat_timeout_s=10", "--rollout.grace_s=10", *extra])
+
+
+@pytest.fixture
+def ray_env(monkeypatch):
+    """Ray workers inherit the driver's environment: make this repo (and `tests`) importable in them."""
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), path) if p))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    assert not ray.is_initialized(), "a previous test left Ray running"
+    yield
+    if ray.is_initialized():  # train() stops the Ray it started; this is only for a failed test
+        ray.shutdown()
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Records, in the driver, every group handed to the SampleBuilder and every successful hand-back."""
+    from moerl.orchestration.samples import SampleBuilder
+    from moerl.orchestration.work_queue import WorkQueue
+
+    groups: list = []  # GroupResult, in build order
+    handbacks: list = []  # (task_id, worker_id, partials) of hand-backs the queue accepted
+    build, hand_back = SampleBuilder.build, WorkQueue.hand_back
+
+    def build_spy(self, batch, step, version):
+        groups.extend(batch)
+        return build(self, batch, step, version)
+
+    def hand_back_spy(self, task_id, worker_id, partials, now):
+        ok = hand_back(self, task_id, worker_id, partials, now)
+        if ok:
+            handbacks.append((task_id, worker_id, list(partials)))
+        return ok
+
+    monkeypatch.setattr(SampleBuilder, "build", build_spy)
+    monkeypatch.setattr(WorkQueue, "hand_back", hand_back_spy)
+    return groups, handbacks
+
+
+def last_step(run_dir: Path) -> int:
+    rows = read_jsonl(run_dir / "metrics.jsonl", missing_ok=True)
+    return max((int(r["step"]) for r in rows), default=-10**9)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+class Striker(threading.Thread):
+    """Waits for RL step `at_step`, then signals a rollout worker while it has requests in flight."""
+
+    def __init__(self, run_dir: Path, sig: int, actor: str = "RolloutWorker-rollout-0", at_step: int = 2,
+                 deadline_s: float = 150.0, exit_within_s: float = 0.0) -> None:
+        super().__init__(daemon=True, name=f"striker-{sig}")
+        self.run_dir, self.sig, self.actor, self.at_step = run_dir, sig, actor, at_step
+        self.deadline = time.monotonic() + deadline_s
+        self.exit_within_s = exit_within_s
+        self.stop = threading.Event()
+        self.pid: int | None = None
+        self.worker_id: str | None = None
+        self.exit_s: float | None = None  # seconds from the signal until the process was gone
+        self.error: BaseException | None = None
+
+    def _wait(self, what: str) -> None:
+        if self.stop.is_set() or time.monotonic() > self.deadline:
+            raise TimeoutError(f"striker gave up waiting for {what}")
+        time.sleep(0.02)
+
+    def run(self) -> None:
+        try:
+            import ray
+
+            while last_step(self.run_dir) < self.at_step:
+                self._wait(f"RL step {self.at_step} in metrics.jsonl")
+            info = None
+            while info is None:
+                try:
+                    info = ray.get(ray.get_actor(self.actor).ping.remote(), timeout=10)
+                    if info["in_flight"] == 0:
+                        info = None  # strike while the worker is generating
+                except (ValueError, ray.exceptions.RayError):
+                    info = None  # not (yet) registered
+                if info is None:
+                    self._wait(f"actor {self.actor} with requests in flight")
+            self.pid, self.worker_id = info["pid"], info["worker_id"]
+            t0 = time.monotonic()
+            os.kill(self.pid, self.sig)
+            if self.exit_within_s:
+                while pid_alive(self.pid) and time.monotonic() - t0 < self.exit_within_s + 30:
+                    time.sleep(0.05)
+                self.exit_s = time.monotonic() - t0 if not pid_alive(self.pid) else None
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def run_with_striker(cfg, striker: Striker) -> dict:
+    from moerl.orchestration.run import train
+
+    striker.start()
+    try:
+        result = train(cfg)
+    finally:
+        striker.stop.set()
+        striker.join(timeout=60)
+    assert not striker.is_alive()
+    assert striker.error is None, f"striker failed: {striker.error!r}"
+    return result
+
+
+def check_trained_once(run_dir: Path, result: dict, groups: list, steps: int) -> list[dict]:
+    """The run is complete and no sample was trained twice; returns the trajectory rows."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics if r["step"] > 0] == list(range(1, steps + 1))
+    rows = read_jsonl(run_dir / "trajectories.jsonl")
+    keys = Counter((r["task_id"], r["sample_index"]) for r in rows)
+    assert max(keys.values()) == 1, f"trained twice: {[k for k, n in keys.items() if n > 1]}"
+    per_task = Counter(r["task_id"] for r in rows)
+    failed_in = {g.task_id: sum(r is None for r in g.rewards) for g in groups}
+    assert Counter(g.task_id for g in groups).most_common(1)[0][1] == 1, "a group reached the trainer twice"
+    for tid, n in per_task.items():
+        assert n == GROUP - failed_in[tid], f"{tid}: {n} rows for group_size {GROUP}, {failed_in[tid]} failed"
+    assert len(rows) == result["counters"]["samples_trained"]
+    assert result["failed_tasks"] == []
+    assert all(r["versions"][0] >= 0 for r in rows), "trained a sample generated before any weights arrived"
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_sigkill_worker_mid_run(tmp_path, ray_env, captured):
+    groups, _ = captured
+    cfg = small_config(tmp_path, steps=60)  # long enough for the replacement to start (a few seconds)
+    striker = Striker(tmp_path, signal.SIGKILL)
+    result = run_with_striker(cfg, striker)
+    print(f"SIGKILL {striker.worker_id} pid {striker.pid}: {result['counters']} queue {result['queue']}")
+
+    assert result["counters"]["workers_lost"] >= 1
+    assert result["queue"]["lost"] >= 1 or result["queue"]["completed"] > 0
+    assert not pid_alive(striker.pid)
+    m = result["metrics"]
+    assert m["workers/alive"] == m["workers/target"] == cfg.rollout.num_workers, "no replacement came up"
+    check_trained_once(tmp_path, result, groups, cfg.train.steps)
+    assert all(g.worker_id != striker.worker_id for g in groups[-4:]), "the killed worker still delivers?"
+
+
+def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
+    groups, handbacks = captured
+    cfg = small_config(tmp_path)
+    striker = Striker(tmp_path, signal.SIGTERM, exit_within_s=cfg.rollout.grace_s)
+    result = run_with_striker(cfg, striker)
+    print(f"SIGTERM {striker.worker_id} pid {striker.pid} exited after {striker.exit_s} s: {result['counters']} "
+          f"queue {result['queue']}; partial tokens handed back "
+          f"{[[p and len(p.token_ids) for p in parts] for _, _, parts in handbacks]}")
+
+    assert result["counters"]["preempted"] >= 1
+    assert result["queue"]["handed_back"] >= 1
+    assert striker.exit_s is not None and striker.exit_s <= cfg.rollout.grace_s + 2.5, \
+        f"the preempted worker took {striker.exit_s} s to exit (grace {cfg.rollout.grace_s} s)"
+    rows = check_trained_once(tmp_path, result, groups, cfg.train.steps)
+
+    # Token continuation: a handed-back partial with tokens was finished by another worker, keeping its
+    # tokens, log-probs and versions; every token of the finished completion has a log-prob and a version.
+    assert all(w == striker.worker_id for _, w, _ in handbacks)
+    partial_by_task = {tid: parts for tid, _, parts in handbacks
+                       if any(p is not None and p.token_ids and p.finish_reason == "abort" for p in parts)}
+    assert partial_by_task, "the preempted worker handed back no partial tokens"
+    continued = [g for g in groups if g.task_id in partial_by_task]
+    assert continued, "no handed-back group was trained"
+    for g in continued:
+        assert g.worker_id != striker.worker_id
+        for p, c in zip(partial_by_task[g.task_id], g.completions):
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions)
+            assert c.routed_experts.shape[0] == len(c.prompt_token_ids) + len(c.token_ids) - 1
+            if p is not None:
+                n = len(p.token_ids)
+                assert c.token_ids[:n] == p.token_ids and c.logprobs[:n] == p.logprobs
+                assert c.versions[:n] == p.versions
+                assert torch.equal(c.routed_experts[: p.routed_experts.shape[0]], p.routed_experts)
+    trained = {r["task_id"] for r in rows}
+    assert trained & set(partial_by_task)
+
+
+def test_reward_that_raises_marks_samples_failed(tmp_path, ray_env, captured):
+    groups, _ = captured
+    cfg = small_config(tmp_path, f"--task.name={FLAKY}", "--train.steps=6")
+    from moerl.orchestration.run import train
+
+    result = train(cfg)
+    failed = [(g, i) for g in groups for i, r in enumerate(g.rewards) if r is None]
+    assert result["counters"]["samples_failed"] == len(failed) > 0
+    for g, i in failed:
+        assert FlakyTask.flaky(g.completions[i].token_ids)
+        assert g.reward_errors[i] == f"ValueError: flaky reward for {g.task_id}"
+    for g in groups:  # the subset that raised is exactly the failed one: never a zero reward instead
+        assert [r is None for r in g.rewards] == [FlakyTask.flaky(c.token_ids) for c in g.completions]
+    rows = read_jsonl(tmp_path / "trajectories.jsonl")
+    trained = {(r["task_id"], r["sample_index"]) for r in rows}
+    assert not trained & {(g.task_id, i) for g, i in failed}, "a failed sample was trained"
+    assert len(rows) == result["counters"]["samples_trained"] == GROUP * len(groups) - len(failed)
+    assert result["failed_tasks"] == []
+
+
+def test_task_module_that_fails_to_import(tmp_path, ray_env, monkeypatch):
+    import ray
+
+    from moerl.orchestration.run import train
+    from moerl.tasks.base import TaskError
+
+    (tmp_path / "broken_task_mod.py").write_text("import moerl_no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, needle in [("tests.integration.no_such_task_module:Task", "no_such_task_module"),
+                         ("broken_task_mod:Task", "moerl_no_such_dependency_xyz"),
+                         ("moerl.tasks.arithmetic:NoSuchTask", "NoSuchTask")]:
+        cfg = small_config(tmp_path / "run", f"--task.name={name}")
+        t0 = time.monotonic()
+        with pytest.raises(TaskError) as info:
+            train(cfg)
+        assert f"cannot load task {name!r}" in str(info.value) and needle in str(info.value)
+        assert time.monotonic() - t0 < 10
+        assert not ray.is_initialized(), "Ray was started before the task was checked"
+
+
+def test_task_that_fails_to_import_on_the_workers_only(tmp_path, ray_env, monkeypatch):
+    """The driver imports the task but the workers cannot (their environment lacks it): a clear error, no
+    endless respawning of workers that die in their constructor."""
+    from moerl.orchestration.run import train
+
+    (tmp_path / "driver_only_task.py").write_text(
+        "from moerl.tasks.arithmetic import ArithmeticTask as DriverOnlyTask\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver's sys.path only: not the workers'
+    cfg = small_config(tmp_path / "run", "--task.name=driver_only_task:DriverOnlyTask")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert "driver_only_task:DriverOnlyTask" in message and "rollout worker" in message, message
+    assert time.monotonic() - t0 < 90
+
+
+# ------------------------------------------------------------------------------------------ worker class
+class _IMDS(http.server.ThreadingHTTPServer):
+    """A fake EC2 instance metadata service: no spot notice (404) until `notice` is set."""
+
+    def __init__(self) -> None:
+        self.notice = threading.Event()
+        self.tokens_issued = 0
+        self.authorized_gets = 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_PUT(self) -> None:  # noqa: N802
+                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    server.tokens_issued += 1
+                    self._reply(200, b"test-token")
+                else:
+                    self._reply(400, b"")
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path != "/latest/meta-data/spot/instance-action":
+                    return self._reply(404, b"")
+                if self.headers.get("X-aws-ec2-metadata-token") != "test-token":
+                    return self._reply(401, b"")
+                server.authorized_gets += 1
+                if server.notice.is_set():
+                    body = json.dumps({"action": "terminate", "time": "2030-01-01T00:00:00Z"}).encode()
+                    return self._reply(200, body)
+                self._reply(404, b"")
+
+            def _reply(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}/latest/meta-data/spot/instance-action"
+
+
+def tiny_worker_spec(**changes):
+    from moerl.model import tiny_config
+    from moerl.orchestration.rollout_worker import WorkerSpec
+    from moerl.rollout import EngineConfig, SamplingParams
+
+    task = ArithmeticTask()
+    arch = tiny_config(vocab_size=task.tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+                       eos_token_id=task.tokenizer.eos_token_id, max_position_embeddings=256)
+    # No stop token: every request runs its max_new_tokens, so it is surely in flight when preempted.
+    spec = WorkerSpec(arch=arch.to_hf_dict(), model_path="", dtype="float32", device="cpu",
+                      engine=EngineConfig(max_batch_size=8, max_seq_len=256), sampling=SamplingParams(
+                          max_new_tokens=200, temperature=1.0, stop_token_ids=[]),
+                      task_name="moerl.tasks.arithmetic:ArithmeticTask", task_options={}, seed=0,
+                      grace_s=1.0, imds_interval_s=0.1)
+    return replace(spec, **changes)
+
+
+@pytest.fixture
+def in_process_workers(monkeypatch):
+    """RolloutWorker objects built in this process (no Ray); `os._exit` is caught instead of run."""
+    from moerl.orchestration import rollout_worker
+
+    exits: list[int] = []
+    exited = threading.Event()
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        exited.set()
+
+    monkeypatch.setattr(rollout_worker.os, "_exit", fake_exit)
+    sigterm, threads = signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    workers = []
+
+    def make(worker_id: str, spec):
+        w = rollout_worker.RolloutWorker(worker_id, spec)
+        workers.append(w)
+        return w
+
+    yield make, exited, exits
+    for w in workers:
+        if w.preempting.is_set():  # its exit thread must call the fake before the real one is restored
+            assert exited.wait(w.spec.grace_s + 5), "the preempted worker never exited"
+        w.engine.stop()
+    signal.signal(signal.SIGTERM, sigterm)
+    torch.set_num_threads(threads)
+
+
+def group_task(task_id: str = "arith-000007", index: int = 7, group_size: int = 3):
+    from moerl.orchestration.work_queue import GroupTask
+
+    prompt = ArithmeticTask().prompt_at(index)
+    return GroupTask(task_id, index, prompt.prompt_token_ids, group_size)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers):
+    make, exited, exits = in_process_workers
+    imds = _IMDS()
+    threading.Thread(target=imds.serve_forever, daemon=True, name="fake-imds").start()
+    try:
+        a = make("rollout-a", tiny_worker_spec(imds_url=imds.url))
+        wait_for(lambda: imds.authorized_gets >= 2, 10, "the worker to poll IMDS (with an IMDSv2 token)")
+        assert not a.preempting.is_set()
+
+        task = group_task()
+        out: dict = {}
+        runner = threading.Thread(target=lambda: out.setdefault("result", a.run_group(task)), daemon=True)
+        runner.start()
+        wait_for(lambda: a.engine.in_flight == task.group_size and a.engine.engine.stats["decode_steps"] >= 5,
+                 30, "generation in flight")
+        # Hold the engine between two steps (a command that blocks), so the notice surely lands mid-generation.
+        gate = threading.Event()
+        threading.Thread(target=a.engine.call, args=(lambda engine: gate.wait(30),), daemon=True).start()
+        imds.notice.set()
+        wait_for(a.preempting.is_set, 5 * a.spec.imds_interval_s + 5, "the IMDS notice to preempt the worker")
+        gate.set()
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+        result = out["result"]
+        assert result.status == "preempted" and len(result.completions) == task.group_size
+        assert all(c.finish_reason == "abort" for c in result.completions)
+        assert any(c.token_ids for c in result.completions), "aborted before any token"
+        for c in result.completions:
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) < 200
+
+        # A preempting worker takes no new work, and exits (os._exit(0)) once nothing is in flight.
+        late = a.run_group(group_task("arith-000008", 8))
+        assert late.status == "preempted" and late.completions == [None] * 3
+        assert exited.wait(a.spec.grace_s + 5) and exits == [0]
+    finally:
+        imds.shutdown()
+        imds.server_close()
+
+    # Another worker continues the partials by token continuation: same prefix, same per-token data.
+    b = make("rollout-b", tiny_worker_spec())
+    task.partials = list(result.completions)
+    done = b.run_group(task)
+    assert done.status == "ok", done.error
+    for p, c in zip(task.partials, done.completions):
+        n = len(p.token_ids)
+        assert c.token_ids[:n] == p.token_ids and c.logprobs[:n] == p.logprobs and c.versions[:n] == p.versions
+        assert len(c.token_ids) == 200 == len(c.logprobs) == len(c.versions)
+        assert c.routed_experts.shape[0] == len(c.prompt_token_ids) + 199
+        assert torch.equal(c.routed_experts[: p.routed_experts.shape[0]], p.routed_experts)
+    assert all(r is not None for r in done.rewards)
+
+
+def test_sigterm_handler_on_worker_class(in_process_workers):
+    """The constructor installs the SIGTERM handler (main thread); SIGTERM preempts instead of killing."""
+    make, exited, exits = in_process_workers
+    w = make("rollout-s", tiny_worker_spec())
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    os.kill(os.getpid(), signal.SIGTERM)
+    wait_for(w.preempting.is_set, 5, "SIGTERM to preempt the worker")
+    assert exited.wait(w.spec.grace_s + 5) and exits == [0]
+
+
+# ------------------------------------------------------------------------------------------ unit (no Ray)
+class _FakePool:
+    """The WorkerPool calls the controller makes, with results fed by the test."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.inflight_count = dict.fromkeys(ids, 0)
+        self.results: list = []  # (ref, GroupResult | None, Exception | None) for the next wait()
+        self.target = len(ids)
+        self.removed: list[str] = []
+
+    def ready_ids(self):
+        return list(self.inflight_count)
+
+    def inflight(self, worker_id):
+        return self.inflight_count[worker_id]
+
+    def dispatch(self, worker_id, task):
+        self.inflight_count[worker_id] += 1
+        return object()
+
+    def wait(self, inflight, timeout):
+        out, self.results = [r for r in self.results if r[0] in inflight], []
+        for ref, _, _ in out:
+            worker = inflight[ref][0]
+            if worker in self.inflight_count:
+                self.inflight_count[worker] -= 1
+        return out
+
+    def unresponsive(self, now):
+        return []
+
+    def replace_missing(self, version):
+        return []
+
+    def remove(self, worker_id):
+        self.removed.append(worker_id)
+        return self.inflight_count.pop(worker_id, None) is not None
+
+    def mark_leaving(self, worker_id):
+        pass
+
+
+def _controller(lease_timeout: float = 30.0, workers=("w0", "w1")):
+    from moerl.orchestration.controller import Controller, LoopConfig
+    from moerl.orchestration.samples import SampleBuilder
+    from moerl.orchestration.work_queue import WorkQueue
+
+    task = ArithmeticTask()
+    queue = WorkQueue(lease_timeout=lease_timeout, max_attempts=2)
+    pool = _FakePool(list(workers))
+    loop = LoopConfig(steps=1, batch_groups=1, group_size=2, max_staleness=1, mode="async", stale_policy="drop",
+                      max_inflight_per_worker=1)
+    return Controller(loop, queue, pool, None, SampleBuilder(task, True, 2, 4), lambda *a: None), queue, pool
+
+
+def _ok(task_id: str, worker_id: str):
+    from moerl.orchestration.rollout_worker import GroupResult
+    from moerl.rollout import Completion
+
+    comps = [Completion(f"{task_id}/{i}", [1], [2], [-0.1], [0], None, "stop") for i in range(2)]
+    return GroupResult(task_id, worker_id, "ok", comps, [1.0, 0.0], [None, None])
+
+
+def test_late_result_after_lease_expired_and_was_released_is_dropped():
+    ctl, queue, pool = _controller(lease_timeout=30.0, workers=("w0",))
+    ctl._lease_and_dispatch()  # w0 leases the first prompt
+    (ref0, (w, tid)), = ctl.inflight.items()
+    assert w == "w0" and pool.inflight("w0") == 1
+    queue._leases[tid].deadline = time.monotonic() - 1  # w0 went silent past its lease
+    ctl._check_workers()  # the lease expires: the task is pending again, at the front
+    assert queue.stats()["expired"] == 1 and queue.pending_ids() == [tid]
+
+    pool.inflight_count["w1"] = 0  # a second worker takes the task over
+    ctl._lease_and_dispatch()
+    assert queue.lease_of(tid).worker_id == "w1"
+    ref1 = next(r for r, (wid, _) in ctl.inflight.items() if wid == "w1")
+
+    pool.results = [(ref0, _ok(tid, "w0"), None)]  # w0's late result: dropped, counted
+    ctl._collect(timeout=0)
+    assert ctl.state.counters["late_results"] == 1 and ctl.state.ready == []
+    assert pool.inflight("w0") == 0, "the expired call still holds a slot of w0"
+    pool.results = [(ref1, _ok(tid, "w1"), None)]  # w1's result is the one that reaches the trainer
+    ctl._collect(timeout=0)
+    assert [g.worker_id for g in ctl.state.ready] == ["w1"] and ctl.state.counters["groups_done"] == 1
+    assert queue.completed_ids == {tid}
+
+
+def test_results_of_a_lost_worker_are_dropped_and_its_lease_requeued():
+    from ray.exceptions import RayActorError
+
+    ctl, queue, pool = _controller(workers=("w0", "w1"))
+    ctl._lease_and_dispatch()
+    refs = {wid: ref for ref, (wid, _) in ctl.inflight.items()}
+    tids = {wid: tid for _, (wid, tid) in ctl.inflight.items()}
+    pool.results = [(refs["w0"], None, RayActorError()), (refs["w0"], None, RayActorError())]
+    ctl._collect(timeout=0)
+    assert ctl.state.counters["workers_lost"] == 1 and pool.removed == ["w0"]
+    assert queue.pending_ids() == [tids["w0"]] and queue.stats()["lost"] == 1
+    pool.results = [(refs["w1"], _ok(tids["w1"], "w1"), None)]
+    ctl._collect(timeout=0)
+    assert ctl.state.counters["groups_done"] == 1
+
+
+def test_preempted_hand_back_and_stale_failures():
+    from moerl.orchestration.rollout_worker import GroupResult
+    from moerl.rollout import Completion
+
+    ctl, queue, pool = _controller(workers=("w0",))
+    ctl._lease_and_dispatch()
+    (ref, (_, tid)), = ctl.inflight.items()
+    partial = [Completion(f"{tid}/0", [1], [2, 3], [-0.1, -0.2], [0, 0], None, "abort"), None]
+    pool.results = [(ref, GroupResult(tid, "w0", "preempted", partial), None)]
+    ctl._collect(timeout=0)
+    assert ctl.state.counters["preempted"] == 1 and queue.stats()["handed_back"] == 1
+    assert queue.pending_ids() == [tid] and queue._tasks[tid].partials == partial
