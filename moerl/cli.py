@@ -4,6 +4,7 @@
     moerl config configs/demo.toml --train.steps=20   # print the resolved config
     moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
     moerl bench dispatch [--help]
+    moerl export CHECKPOINT_DIR OUT_DIR [--step N]   # a checkpoint's policy as a Hugging Face directory
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import sys
 
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
-           "async": "moerl.bench.async_loop"}
+           "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -43,13 +44,42 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv) or 0
 
 
+def _launch(argv: list[str]) -> int:
+    from moerl.launch.cli import main as launch_main
+
+    return launch_main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moerl export", description="Write the policy of a committed "
+                                     "checkpoint (latest by default) as a Hugging Face directory (safetensors).")
+    parser.add_argument("checkpoint_dir", help="checkpoint.dir of the run: local path or s3://bucket/prefix")
+    parser.add_argument("out_dir")
+    parser.add_argument("--step", type=int, default=None, help="a committed step (default: latest)")
+    args = parser.parse_args(argv)
+    from moerl.checkpoint import CheckpointError, CheckpointStore, export_policy
+
+    store = CheckpointStore(args.checkpoint_dir)
+    step = args.step if args.step is not None else store.latest_step()
+    if step is None:
+        print(f"error: {args.checkpoint_dir}: no committed checkpoint to export", file=sys.stderr)
+        return 2
+    try:
+        out = export_policy(args.checkpoint_dir, args.out_dir, step)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {store.step_path(step)} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    return 0
+
+
 def _train(argv: list[str]) -> int:
     from moerl.orchestration.run import main as train_main
 
     return train_main(argv)
 
 
-COMMANDS = {"bench": _bench, "config": _config, "demo": _demo, "train": _train}
+COMMANDS = {"bench": _bench, "config": _config, "demo": _demo, "export": _export, "launch": _launch, "train": _train}
 
 
 def main(argv: list[str] | None = None) -> int:

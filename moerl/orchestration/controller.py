@@ -33,6 +33,7 @@ class LoopConfig:
     stale_policy: str  # "drop" | "regenerate"
     max_inflight_per_worker: int
     poll_s: float = 0.05
+    deterministic: bool = False  # batches in task-id order, so the optimizer sees the same sample order
 
 
 @dataclass
@@ -51,17 +52,25 @@ class LoopState:
 
 class Controller:
     def __init__(self, cfg: LoopConfig, queue: WorkQueue, workers: WorkerPool, trainer: TrainerGroup,
-                 builder: SampleBuilder, on_step) -> None:
+                 builder: SampleBuilder, on_step, checkpointer=None, checkpoint_every: int = 0,
+                 stop_requested=None) -> None:
         self.cfg, self.queue, self.workers, self.trainer = cfg, queue, workers, trainer
         self.builder, self.on_step = builder, on_step
         self.state = LoopState()
         self.inflight: dict = {}  # ObjectRef -> (worker_id, task_id)
         self.training: tuple | None = None  # (step refs, batch, built samples, started at) while a step runs
+        self.checkpointer, self.checkpoint_every = checkpointer, checkpoint_every
+        self.stop_requested = stop_requested or (lambda: False)  # graceful shutdown (SIGTERM to the driver)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
         self.workers.broadcast_weights(self.trainer.publish(), self.state.version, wait=True)
         while self.state.step < self.cfg.steps:
+            if self.stop_requested():
+                self._graceful_stop()
+                break
+            if self.checkpointer is not None:
+                self.checkpointer.poll()
             self._lease_and_dispatch()
             self._collect(timeout=self.cfg.poll_s)
             self._check_workers()
@@ -161,6 +170,8 @@ class Controller:
         if len(kept) < self.cfg.batch_groups:
             return None
         batch, self.state.ready = kept[: self.cfg.batch_groups], kept[self.cfg.batch_groups:]
+        if self.cfg.deterministic:
+            batch.sort(key=lambda r: r.task_id)
         return batch
 
     def _start_training(self, batch: list[GroupResult]) -> None:
@@ -184,3 +195,39 @@ class Controller:
         metrics.update({f"count/{k}": v for k, v in self.state.counters.items()})
         metrics["workers/alive"], metrics["workers/target"] = self.workers.alive(), self.workers.target
         self.on_step(self.state.step, metrics, rows, batch)
+        if self.checkpointer is not None and self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
+            self.save_checkpoint()
+        if self.checkpointer is not None and self.state.step == self.cfg.steps:
+            self.checkpointer.wait()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything the controller owns, in-flight work included (leases become pending on load)."""
+        s = self.state
+        return {"version": s.version, "step": s.step, "next_prompt_index": s.next_prompt_index,
+                "leased_total": s.leased_total, "ready": list(s.ready), "counters": dict(s.counters),
+                "queue": self.queue.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.state = LoopState(version=d["version"], step=d["step"], next_prompt_index=d["next_prompt_index"],
+                               leased_total=d["leased_total"], ready=list(d["ready"]), counters=dict(d["counters"]))
+        self.queue.load_state_dict(d["queue"])
+        # Sync mode leases one batch per version; groups leased but never finished are back in the queue.
+        self.state.leased_total = min(self.state.leased_total, self.state.next_prompt_index)
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.state.step, self.trainer, self.state_dict())
+
+    def _graceful_stop(self) -> None:
+        """Preempt every worker so in-flight groups come back as partials, then save and stop."""
+        self.workers.preempt_all()
+        deadline = time.monotonic() + 60.0
+        while self.inflight and time.monotonic() < deadline:
+            self._collect(timeout=0.2)
+        if self.training is not None:  # let a running optimizer step finish: it is part of the state
+            while not self.trainer.done(self.training[0]):
+                time.sleep(0.05)
+            self._finish_training()
+        if self.checkpointer is not None:
+            self.save_checkpoint()
+            self.checkpointer.wait()

@@ -46,6 +46,15 @@ class TrainerGroup:
         self.timeout_s = spec.collective_timeout_s
         ray.get([r.pid.remote() for r in self.ranks], timeout=self.timeout_s)  # the group is up
 
+    def save_state(self, path: str, use_async: bool) -> None:
+        ray.get([r.save_state.remote(path, use_async) for r in self.ranks], timeout=self.timeout_s)
+
+    def save_done(self) -> list:
+        return [r.wait_save.remote() for r in self.ranks]
+
+    def load_state(self, path: str) -> int:
+        return ray.get([r.load_state.remote(path) for r in self.ranks], timeout=self.timeout_s)[0]
+
     def set_lr(self, lr: float) -> None:
         ray.get([r.set_lr.remote(lr) for r in self.ranks], timeout=self.timeout_s)
 
@@ -100,6 +109,8 @@ class WorkerPool:
         self.spec, self.target, self.queue = spec, target, queue
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.start_timeout_s = 600.0  # a replacement may wait this long for capacity before it is retried
+        self.max_start_failures = 3  # workers in a row whose constructor raised: a setup error, stop the run
+        self._start_failures = 0
         options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker, "max_concurrency": 16,
                    "max_restarts": 0}
         if _has_rollout_nodes():
@@ -114,9 +125,8 @@ class WorkerPool:
     def _spawn(self) -> str:
         worker_id = f"rollout-{next(self._ids)}"
         handle = self.cls.options(**self.options, name=f"RolloutWorker-{worker_id}").remote(worker_id, self.spec)
+        # Weights come when it first answers (see `unresponsive`), the newest then, not the ones of now.
         self.workers[worker_id] = _Worker(handle, last_ok=time.monotonic(), ping_ref=handle.ping.remote())
-        if self._weights is not None:
-            handle.update_weights.remote(self._weights[1], self._weights[0])
         return worker_id
 
     def ready_ids(self) -> list[str]:
@@ -173,18 +183,37 @@ class WorkerPool:
                 ready, _ = ray.wait([w.ping_ref], timeout=0)
                 if ready:
                     try:
-                        ray.get(w.ping_ref)
-                        w.last_ok, w.started = now, True
+                        answer = ray.get(w.ping_ref)
+                        w.last_ok = now
                         self.queue.heartbeat(worker_id, now)
-                    except ray.exceptions.RayError:
+                    except ray.exceptions.RayError as e:
+                        if not w.started:
+                            self._start_failed(worker_id, e)
                         lost.append(worker_id)
                         continue
                     w.ping_ref = None
+                    if not w.started:  # up: it takes work once it holds the newest weights
+                        version = answer["version"] if isinstance(answer, dict) else answer
+                        if self._weights is not None and version < self._weights[1]:
+                            w.ping_ref = w.handle.update_weights.remote(self._weights[1], self._weights[0])
+                        else:
+                            w.started, self._start_failures = True, 0
             if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
                 w.ping_ref = w.handle.ping.remote()
             if now - w.last_ok > (self.heartbeat_timeout_s if w.started else self.start_timeout_s):
                 lost.append(worker_id)
         return lost
+
+    def _start_failed(self, worker_id: str, error: Exception) -> None:
+        """A worker that died in its constructor (or refused its first weights) before it ever started;
+        some in a row (a task or model its environment cannot load) end the run instead of respawning forever."""
+        if not (getattr(error, "actor_init_failed", False) or isinstance(error, ray.exceptions.RayTaskError)):
+            return  # killed while starting (node lost): replaced like any lost worker
+        self._start_failures += 1
+        if self._start_failures >= self.max_start_failures:
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            raise RuntimeError(f"{self._start_failures} rollout workers in a row failed to start; the last one "
+                               f"({worker_id}) raised: {lines[-1] if lines else type(error).__name__}")
 
     def replace_missing(self, version: int) -> list[str]:
         """Retire workers that are leaving with nothing in flight, then top the pool back up to its target."""
@@ -195,9 +224,16 @@ class WorkerPool:
             self._spawn()
         return retired
 
+    def preempt_all(self) -> None:
+        """Ask every worker to hand back its in-flight work (graceful shutdown of the run)."""
+        for worker_id, w in self.workers.items():
+            w.leaving = True
+            w.handle.preempt.remote("run shutdown")
+
     def broadcast_weights(self, shard_refs: list, version: int, wait: bool = False) -> None:
         self._weights = (shard_refs, version)
-        refs = [w.handle.update_weights.remote(version, shard_refs) for w in self.workers.values()]
+        # Workers still starting get the newest weights when they are up, not a backlog of versions.
+        refs = [w.handle.update_weights.remote(version, shard_refs) for w in self.workers.values() if w.started]
         if wait:
             for ref in refs:
                 try:

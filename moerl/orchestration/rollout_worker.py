@@ -89,11 +89,11 @@ class RolloutWorker:
     # ---------------------------------------------------------------- work
     def run_group(self, task: GroupTask) -> GroupResult:
         t0 = time.perf_counter()
-        if self.preempting.is_set():
-            return GroupResult(task.task_id, self.worker_id, "preempted", list(task.partials))
-        with self._lock:
+        with self._lock:  # counted before the check: the exit thread waits for every group that passed it
             self._inflight_groups += 1
         try:
+            if self.preempting.is_set():
+                return GroupResult(task.task_id, self.worker_id, "preempted", list(task.partials))
             return self._run_group(task, t0)
         except Exception as e:  # noqa: BLE001 - a failed generation is reported, retried by the controller
             return GroupResult(task.task_id, self.worker_id, "error", error=f"{type(e).__name__}: {e}",
@@ -112,6 +112,8 @@ class RolloutWorker:
             params = SamplingParams(**{**self.spec.sampling.__dict__, "seed": sample_seed(self.spec.seed, task.task_id, i)})
             futures.append(self.engine.submit(task.prompt_token_ids, params, f"{task.task_id}/{i}/{time.monotonic_ns()}",
                                               prefix=partial))
+        if self.preempting.is_set():  # preempted while submitting: abort these too (queued after the first abort)
+            self.engine.abort_all()
         completions = []
         for i, fut in enumerate(futures):
             completions.append(task.partials[i] if fut is None else fut.result(timeout=self.spec.group_timeout_s))
@@ -133,8 +135,11 @@ class RolloutWorker:
         tensors = []
         for shard in shards:
             tensors.extend(ray.get(shard) if isinstance(shard, ray.ObjectRef) else shard)
-        self.engine.call(lambda engine: apply_weights(engine, tensors, version))
-        return version
+        def apply(engine: Engine) -> int:
+            if version > engine.version:  # calls of a threaded actor may run out of order: never go back
+                apply_weights(engine, tensors, version)
+            return engine.version
+        return self.engine.call(apply)
 
     def ping(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.engine.version,

@@ -8,6 +8,8 @@ With no `ray.address` (and no RAY_ADDRESS) a local Ray instance is started on 12
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -89,8 +91,17 @@ def warm_start(trainer, task: Task, cfg: MoerlConfig, log) -> None:
     trainer.set_lr(cfg.train.lr)
 
 
-def train(cfg: MoerlConfig) -> dict:
-    """Run the whole job; returns the final loop state's counters and the last metrics."""
+def _fingerprint(cfg: MoerlConfig, arch: MoEModelConfig) -> dict:
+    """What a checkpoint must agree on with the config that resumes it (checked before anything runs)."""
+    return {"architecture": {k: v for k, v in arch.to_hf_dict().items() if k not in ("bos_token_id", "pad_token_id")},
+            "ep_size": cfg.ep.size, "num_ranks": cfg.train.num_ranks, "task": cfg.task.name}
+
+
+def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
+    """Run the whole job; returns the final loop state's counters and the last metrics.
+
+    resume: continue from the newest committed checkpoint under `checkpoint.dir` (trainer and controller
+    state, in-flight work included); SIGTERM to this process saves a checkpoint and stops cleanly."""
     import ray
 
     from moerl.orchestration.controller import Controller, LoopConfig
@@ -115,13 +126,25 @@ def train(cfg: MoerlConfig) -> dict:
             "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
         ray.init(**init, log_to_driver=cfg.run.log_level == "debug",
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    log = RunLog(run_dir)
+    if cfg.run.deterministic:
+        cfg.train.mode = "sync"  # deterministic = sync, fixed seeds, batches in task order (docs/checkpoints.md)
+    from moerl.orchestration.checkpointer import Checkpointer
+
+    checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch))
+    if resume and checkpointer.latest() is None:
+        raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log = RunLog(run_dir, resume=resume)
     progress = Progress(cfg.train.steps)
     t_start = time.monotonic()
     last: dict = {}
     try:
         trainer = TrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
-        warm_start(trainer, task, cfg, lambda s, m: log.log_step(-cfg.train.sft_steps + s, _scalars(m, "sft/")))
+        restored = checkpointer.restore(trainer) if resume else None
+        if restored is None:
+            warm_start(trainer, task, cfg, lambda s, m: log.log_step(-cfg.train.sft_steps + s, _scalars(m, "sft/")))
         queue = WorkQueue(lease_timeout=cfg.rollout.lease_timeout_s, max_attempts=cfg.rollout.max_attempts)
         workers = WorkerPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
                              cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s, cfg.rollout.heartbeat_timeout_s)
@@ -129,7 +152,8 @@ def train(cfg: MoerlConfig) -> dict:
         loop = LoopConfig(steps=cfg.train.steps, batch_groups=cfg.train.batch_groups,
                           group_size=cfg.rollout.group_size, max_staleness=cfg.train.max_staleness,
                           mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
-                          max_inflight_per_worker=cfg.rollout.max_inflight_groups)
+                          max_inflight_per_worker=cfg.rollout.max_inflight_groups,
+                          deterministic=cfg.run.deterministic)
         samples_seen = [0]
 
         def on_step(step: int, metrics: dict, rows: list[dict], batch) -> None:
@@ -145,10 +169,14 @@ def train(cfg: MoerlConfig) -> dict:
             last.clear()
             last.update(scalars)
 
-        controller = Controller(loop, queue, workers, trainer, builder, on_step)
+        controller = Controller(loop, queue, workers, trainer, builder, on_step, checkpointer=checkpointer,
+                                checkpoint_every=cfg.checkpoint.every, stop_requested=stop.is_set)
+        if restored is not None:
+            controller.load_state_dict(restored[1])
+            progress.message(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}")
         state = controller.run()
         last["elapsed_s"] = time.monotonic() - t_start
-        return {"counters": dict(state.counters), "metrics": dict(last), "queue": queue.stats(),
+        return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(), "metrics": dict(last), "queue": queue.stats(),
                 "failed_tasks": [t.task_id for t in queue.failed]}
     finally:
         progress.close()
@@ -169,14 +197,16 @@ def main(argv: list[str]) -> int:
     from moerl.config import ConfigError, load_config
 
     if not argv or argv[0].startswith("-"):
-        print("usage: moerl train CONFIG.toml [--section.key=value ...]")
+        print("usage: moerl train CONFIG.toml [--resume] [--section.key=value ...]")
         return 2
+    resume = "--resume" in argv
+    argv = [a for a in argv if a != "--resume"]
     try:
         cfg = load_config(argv[0], argv[1:])
     except ConfigError as e:
         print(f"error: {e}")
         return 2
-    result = train(cfg)
+    result = train(cfg, resume=resume)
     m = result["metrics"]
     print(f"done: {cfg.train.steps} steps in {m.get('elapsed_s', 0):.0f}s, final reward/mean "
           f"{m.get('reward/mean', float('nan')):.3f}; outputs in {cfg.run.dir}")

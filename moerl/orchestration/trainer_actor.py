@@ -92,6 +92,25 @@ class TrainerRank:
             buckets.append(ray.put(current))
         return buckets
 
+    def save_state(self, path: str, use_async: bool) -> None:
+        """Start saving this rank's share (DCP through fsspec); async returns once the state is staged."""
+        from moerl.checkpoint.trainer_state import save_trainer_state
+
+        self.wait_save()
+        self._pending_save = save_trainer_state(self.trainer, path, use_async=use_async)
+
+    def wait_save(self) -> bool:
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        if pending is not None:
+            pending.result()
+        return True
+
+    def load_state(self, path: str) -> int:
+        from moerl.checkpoint.trainer_state import load_trainer_state
+
+        load_trainer_state(self.trainer, path)
+        return self.trainer.steps_done
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,8 +2,8 @@
 EC2 IMDS spot notice) mid-run, rewards that raise, task modules that do not import, late results.
 
 The end-to-end tests run `train(cfg)` on a private local Ray (started and stopped by `train`) with a small
-config: a few SFT steps, ~14 RL steps, 12 new tokens per sample so that generation is in flight when a
-background thread strikes a worker. Every wait is a bounded poll with a deadline.
+config: a few SFT steps, 14-60 RL steps, up to 48 new tokens per sample so that generation is in flight when
+a background thread strikes a worker. Every wait is a bounded poll with a deadline.
 
     PYTHONPATH=. RAY_AUTH_MODE=disabled python -m pytest tests/integration/test_rl_faults.py -m integration
 """
@@ -14,10 +14,9 @@ import http.server
 import json
 import os
 import signal
-import sys
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,8 +54,8 @@ def small_config(run_dir: Path, *extra: str, steps: int = STEPS):
     return load_config(DEMO, [
         f"--run.dir={run_dir}", "--train.sft_steps=5", "--train.sft_batch=32", f"--train.steps={steps}",
         "--train.batch_groups=4", "--train.max_staleness=4", f"--rollout.group_size={GROUP}",
-        "--rollout.max_new_tokens=12", "--task.options.max_operand=999", "--rollout.heartbeat_s=0.5",
-        "--rollout.heartbeat_timeout_s=10", "--rollout.grace_s=10", *extra])
+        "--rollout.max_new_tokens=48", "--rollout.max_seq_len=64", "--task.options.max_operand=999",
+        "--rollout.heartbeat_s=0.5", "--rollout.heartbeat_timeout_s=10", "--rollout.grace_s=10", *extra])
 
 
 @pytest.fixture
@@ -73,29 +72,44 @@ def ray_env(monkeypatch):
         ray.shutdown()
 
 
+class Captured:
+    """What the controller (this process) saw: groups built into samples, hand-backs, finished groups."""
+
+    def __init__(self) -> None:
+        self.groups: list = []  # GroupResult handed to the SampleBuilder, in order
+        self.handbacks: list = []  # (task_id, worker_id, partials) of hand-backs the queue accepted
+        self.finished: dict = {}  # task_id -> (worker_id, policy version when first seen, its oldest token's)
+
+
 @pytest.fixture
-def captured(monkeypatch):
-    """Records, in the driver, every group handed to the SampleBuilder and every successful hand-back."""
+def captured(monkeypatch) -> Captured:
+    from moerl.orchestration.controller import Controller
     from moerl.orchestration.samples import SampleBuilder
     from moerl.orchestration.work_queue import WorkQueue
 
-    groups: list = []  # GroupResult, in build order
-    handbacks: list = []  # (task_id, worker_id, partials) of hand-backs the queue accepted
-    build, hand_back = SampleBuilder.build, WorkQueue.hand_back
+    seen = Captured()
+    build, hand_back, take_batch = SampleBuilder.build, WorkQueue.hand_back, Controller._take_batch
 
     def build_spy(self, batch, step, version):
-        groups.extend(batch)
+        seen.groups.extend(batch)
         return build(self, batch, step, version)
 
     def hand_back_spy(self, task_id, worker_id, partials, now):
         ok = hand_back(self, task_id, worker_id, partials, now)
         if ok:
-            handbacks.append((task_id, worker_id, list(partials)))
+            seen.handbacks.append((task_id, worker_id, list(partials)))
         return ok
+
+    def take_batch_spy(self):
+        for g in self.state.ready:
+            oldest = min((min(c.versions) for c in g.completions if c.versions), default=self.state.version)
+            seen.finished.setdefault(g.task_id, (g.worker_id, self.state.version, oldest))
+        return take_batch(self)
 
     monkeypatch.setattr(SampleBuilder, "build", build_spy)
     monkeypatch.setattr(WorkQueue, "hand_back", hand_back_spy)
-    return groups, handbacks
+    monkeypatch.setattr(Controller, "_take_batch", take_batch_spy)
+    return seen
 
 
 def last_step(run_dir: Path) -> int:
@@ -191,24 +205,28 @@ def check_trained_once(run_dir: Path, result: dict, groups: list, steps: int) ->
 
 
 # ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.timeout(150)
 def test_sigkill_worker_mid_run(tmp_path, ray_env, captured):
-    groups, _ = captured
     cfg = small_config(tmp_path, steps=60)  # long enough for the replacement to start (a few seconds)
     striker = Striker(tmp_path, signal.SIGKILL)
     result = run_with_striker(cfg, striker)
     print(f"SIGKILL {striker.worker_id} pid {striker.pid}: {result['counters']} queue {result['queue']}")
 
-    assert result["counters"]["workers_lost"] >= 1
-    assert result["queue"]["lost"] >= 1 or result["queue"]["completed"] > 0
+    assert result["counters"]["workers_lost"] >= 1 and result["queue"]["lost"] >= 1
     assert not pid_alive(striker.pid)
     m = result["metrics"]
     assert m["workers/alive"] == m["workers/target"] == cfg.rollout.num_workers, "no replacement came up"
-    check_trained_once(tmp_path, result, groups, cfg.train.steps)
-    assert all(g.worker_id != striker.worker_id for g in groups[-4:]), "the killed worker still delivers?"
+    check_trained_once(tmp_path, result, captured.groups, cfg.train.steps)
+    # The replacement took work, and joined with the newest weights (not the ones of when it was spawned).
+    first = {"rollout-0", "rollout-1"}
+    new = [(v, oldest) for w, v, oldest in captured.finished.values() if w not in first]
+    assert new, "the replacement finished no group"
+    assert all(v - oldest <= cfg.train.max_staleness for v, oldest in new), new
 
 
+@pytest.mark.timeout(150)
 def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
-    groups, handbacks = captured
+    groups, handbacks = captured.groups, captured.handbacks
     cfg = small_config(tmp_path)
     striker = Striker(tmp_path, signal.SIGTERM, exit_within_s=cfg.rollout.grace_s)
     result = run_with_striker(cfg, striker)
@@ -244,9 +262,10 @@ def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
     assert trained & set(partial_by_task)
 
 
+@pytest.mark.timeout(150)
 def test_reward_that_raises_marks_samples_failed(tmp_path, ray_env, captured):
-    groups, _ = captured
-    cfg = small_config(tmp_path, f"--task.name={FLAKY}", "--train.steps=6")
+    groups = captured.groups
+    cfg = small_config(tmp_path, f"--task.name={FLAKY}", steps=6)
     from moerl.orchestration.run import train
 
     result = train(cfg)
@@ -264,6 +283,7 @@ def test_reward_that_raises_marks_samples_failed(tmp_path, ray_env, captured):
     assert result["failed_tasks"] == []
 
 
+@pytest.mark.timeout(150)
 def test_task_module_that_fails_to_import(tmp_path, ray_env, monkeypatch):
     import ray
 
@@ -284,6 +304,7 @@ def test_task_module_that_fails_to_import(tmp_path, ray_env, monkeypatch):
         assert not ray.is_initialized(), "Ray was started before the task was checked"
 
 
+@pytest.mark.timeout(150)
 def test_task_that_fails_to_import_on_the_workers_only(tmp_path, ray_env, monkeypatch):
     """The driver imports the task but the workers cannot (their environment lacks it): a clear error, no
     endless respawning of workers that die in their constructor."""
@@ -297,6 +318,7 @@ def test_task_that_fails_to_import_on_the_workers_only(tmp_path, ray_env, monkey
     with pytest.raises(RuntimeError) as info:
         train(cfg)
     message = str(info.value)
+    print(message)
     assert "driver_only_task:DriverOnlyTask" in message and "rollout worker" in message, message
     assert time.monotonic() - t0 < 90
 
@@ -405,6 +427,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.timeout(150)
 def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers):
     make, exited, exits = in_process_workers
     imds = _IMDS()
@@ -457,6 +480,7 @@ def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers
     assert all(r is not None for r in done.rewards)
 
 
+@pytest.mark.timeout(150)
 def test_sigterm_handler_on_worker_class(in_process_workers):
     """The constructor installs the SIGTERM handler (main thread); SIGTERM preempts instead of killing."""
     make, exited, exits = in_process_workers

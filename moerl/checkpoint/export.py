@@ -1,0 +1,87 @@
+"""Export the policy of a committed checkpoint as a Hugging Face directory (config.json + safetensors).
+
+Runs in one process with no process group: DCP reads every rank's files, and the expert shards
+(`model/<name>@ep{r}of{P}`) are concatenated back into the full stacked [E, ...] tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from moerl.checkpoint.storage import CheckpointStore
+from moerl.checkpoint.trainer_state import EP_KEY, load_into, read_metadata
+from moerl.model import CheckpointError, MoEModelConfig, build_model, save_pretrained
+
+ARCH_FILE = "arch.json"
+TRAINER_DIR = "trainer"
+log = logging.getLogger(__name__)
+
+
+def write_arch(store: CheckpointStore, step: int, model_config: MoEModelConfig) -> None:
+    """Save the architecture with the step, so export (and resume checks) need nothing but the checkpoint."""
+    store.write_bytes(step, ARCH_FILE, json.dumps(model_config.to_hf_dict(), indent=1).encode())
+
+
+def read_arch(store: CheckpointStore, step: int) -> MoEModelConfig:
+    raw = store.read_bytes(step, ARCH_FILE)
+    try:
+        return MoEModelConfig.from_hf_dict(json.loads(raw), source=f"{store.step_path(step)}/{ARCH_FILE}")
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{store.step_path(step)}/{ARCH_FILE}: not valid JSON ({e})") from None
+
+
+def gather_model_state(trainer_path: str) -> dict[str, torch.Tensor]:
+    """The full model state dict (plain names) from a trainer checkpoint, expert shards stacked back."""
+    meta = read_metadata(trainer_path)
+    wanted = {k: m for k, m in meta.items() if k.startswith("model/")}
+    if not wanted:
+        raise CheckpointError(f"{trainer_path}: no model tensors in this checkpoint")
+    loaded = load_into(trainer_path, wanted)
+    out: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    sizes: dict[str, int] = {}
+    for key, t in loaded.items():
+        name = key[len("model/"):]
+        m = EP_KEY.match(name)
+        if m:
+            shards.setdefault(m.group(1), {})[int(m.group(2))] = t
+            sizes[m.group(1)] = int(m.group(3))
+        else:
+            out[name] = t
+    for name, parts in shards.items():
+        missing = sorted(set(range(sizes[name])) - set(parts))
+        if missing:
+            raise CheckpointError(f"{trainer_path}: {name!r} lacks the expert shard(s) of EP rank(s) {missing}")
+        out[name] = torch.cat([parts[r] for r in range(sizes[name])], dim=0)  # rank r holds [r*E/P, (r+1)*E/P)
+    return out
+
+
+def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None) -> Path:
+    """Write the policy of `step` (default: the latest committed) under `out_dir`; returns out_dir."""
+    store = CheckpointStore(checkpoint_root)
+    if step is None:
+        step = store.latest_step()
+        if step is None:
+            raise CheckpointError(f"{checkpoint_root}: no committed checkpoint to export")
+    store.verify(step)  # a partial step names its missing files here rather than failing mid-read
+    config = read_arch(store, step)
+    state = gather_model_state(f"{store.step_path(step)}/{TRAINER_DIR}")
+    dtype = next(iter(state.values())).dtype
+    model = build_model(config, dtype=dtype, init=False)
+    expected = model.state_dict()
+    for name, t in expected.items():
+        if name not in state or tuple(state[name].shape) != tuple(t.shape):
+            got = list(state[name].shape) if name in state else "absent"
+            raise CheckpointError(f"{store.step_path(step)}: {name!r} is {got} in the checkpoint, "
+                                  f"{list(t.shape)} per its {ARCH_FILE}")
+    model.load_state_dict({n: state[n] for n in expected}, strict=True)
+    if any(state[n].any() for n in expected if n.endswith("expert_bias")):  # save_pretrained drops it
+        log.warning("the policy routes with an aux-loss-free expert bias, which the Hugging Face format has no "
+                    "place for: the exported model routes without it")
+    model.tie_weights()
+    save_pretrained(model, out_dir)
+    return Path(out_dir)

@@ -1,0 +1,246 @@
+"""What a `moerl launch` pod runs (imports neither torchx nor Kubernetes; Ray lazily).
+
+    python -m moerl.launch.node train                       # local: `moerl train` with its own Ray
+    python -m moerl.launch.node trainer --rank R --nodes N   # rank 0: Ray head, then the controller; others join
+    python -m moerl.launch.node rollout --head HOST:PORT     # join with the `rollout` resource; drain on SIGTERM
+
+The job's resolved config travels base64-encoded in $MOERL_CONFIG_B64 (no file to ship, no macro or shell
+quoting in the way); `--config PATH` reads a file instead. A rollout pod that gets SIGTERM (a spot drain)
+forwards it to its `ray::RolloutWorker` processes first, so they hand back their work, and stops Ray once
+they have exited or `--grace-s` less a margin has passed. A rollout pod waits up to `--wait-s` for the Ray
+head (at start and whenever the head goes away) and exits 0 when none comes: the trainer job is over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+CONFIG_ENV = "MOERL_CONFIG_B64"
+
+
+def encode_config(toml_text: str) -> str:
+    return base64.b64encode(toml_text.encode()).decode()
+
+
+def config_path(path: str = "") -> str:
+    """`path`, or the config from $MOERL_CONFIG_B64 written to a temporary file."""
+    if path:
+        return path
+    if CONFIG_ENV not in os.environ:
+        raise SystemExit(f"error: no config: pass --config PATH or set ${CONFIG_ENV}")
+    fd, out = tempfile.mkstemp(prefix="moerl-", suffix=".toml")
+    with os.fdopen(fd, "wb") as f:
+        f.write(base64.b64decode(os.environ[CONFIG_ENV]))
+    return out
+
+
+def _ray(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ray.scripts.scripts", *args]
+
+
+def _log(msg: str) -> None:
+    print(f"[moerl.launch.node] {msg}", flush=True)
+
+
+def wait_for_head(host: str, port: int, deadline: float, stop: threading.Event | None = None) -> bool:
+    """True once `host:port` accepts a TCP connection (DNS may not resolve yet); False past `deadline`."""
+    while not (stop and stop.is_set()):
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
+    return False
+
+
+def procs_named(prefix: str) -> list[int]:
+    """Pids whose command line (the process title Ray sets, e.g. `ray::RolloutWorker`) starts with `prefix`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").startswith(prefix):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def drain(prefix: str, budget_s: float) -> None:
+    """SIGTERM every process named `prefix` and wait (at most `budget_s`) for them to exit."""
+    pids = procs_named(prefix)
+    _log(f"SIGTERM: forwarding to {len(pids)} {prefix} process(es), waiting up to {budget_s:.0f} s")
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.5)
+
+
+class RayNode:
+    """`ray start ... --block` as a child: stopping it stops this node's Ray processes only (not `ray stop`,
+    which would stop every Ray on the machine)."""
+
+    def __init__(self, *args: str, drain_s: float = 30.0) -> None:
+        env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)}
+        self.proc = subprocess.Popen(_ray("start", *args, "--block"), env=env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 45.0) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_node(node: RayNode, stop: threading.Event, head: tuple[str, int], lost_s: float,
+             on_stop: Callable[[], None] | None = None) -> str:
+    """Watch `node` until it exits ("exited"), `stop` is set ("stopped": `on_stop`, then the node stops) or
+    the head has refused connections for `lost_s` ("head lost": the node stops)."""
+    last_seen = next_check = time.monotonic()
+    while node.alive():
+        if stop.wait(0.5):
+            if on_stop:
+                on_stop()
+            node.stop()
+            return "stopped"
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + 5
+            if wait_for_head(*head, deadline=time.monotonic() + 0.1):
+                last_seen = time.monotonic()
+            elif time.monotonic() - last_seen > lost_s:
+                _log(f"Ray head {head[0]}:{head[1]} unreachable for {lost_s:.0f} s")
+                node.stop()
+                return "head lost"
+    return "exited"
+
+
+def _install_sigterm(stop: threading.Event) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+
+def _split(head: str, default_port: int) -> tuple[str, int]:
+    host, _, port = head.rpartition(":") if ":" in head else (head, "", "")
+    return host, int(port or default_port)
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from moerl.cli import main
+
+    return main(["train", config_path(a.config), *a.overrides])
+
+
+def cmd_trainer(a: argparse.Namespace) -> int:
+    """Rank 0: Ray head, wait for the trainer nodes, run the controller. Other ranks: join and block."""
+    stop = threading.Event()
+    _install_sigterm(stop)
+    if a.rank != 0:
+        host, port = _split(a.head or os.environ.get(a.head_env, ""), a.port)
+        if not host:
+            raise SystemExit(f"error: no Ray head address (--head or ${a.head_env})")
+        if not wait_for_head(host, port, time.monotonic() + a.wait_s, stop):
+            _log(f"no Ray head at {host}:{port} after {a.wait_s} s")
+            return 1
+        how = run_node(RayNode(f"--address={host}:{port}"), stop, (host, port), a.lost_s)
+        return 0 if how == "stopped" else 1  # head lost or Ray died: the trainer job restarts as a whole
+    config = config_path(a.config)
+    head = RayNode("--head", f"--port={a.port}", "--include-dashboard=false", "--disable-usage-stats")
+    try:
+        if not wait_for_head("127.0.0.1", a.port, time.monotonic() + 120) or not head.alive():
+            raise SystemExit(f"error: the Ray head did not start on port {a.port}")
+        _wait_for_nodes(a.nodes, a.wait_s)
+        from moerl.cli import main
+
+        return main(["train", config, "--ray.address=auto", *a.overrides])
+    finally:
+        head.stop()
+
+
+def _wait_for_nodes(nodes: int, wait_s: float) -> None:
+    import ray
+
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = [n for n in ray.nodes() if n["Alive"] and not n["Resources"].get("rollout", 0)]
+            if len(alive) >= nodes:
+                _log(f"{len(alive)}/{nodes} trainer nodes are up")
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"error: only {len(alive)}/{nodes} trainer nodes joined within {wait_s} s")
+            time.sleep(5)
+    finally:
+        ray.shutdown()
+
+
+def cmd_rollout(a: argparse.Namespace) -> int:
+    """Join the Ray cluster as a rollout node for as long as there is a head; drain on SIGTERM."""
+    stop = threading.Event()
+    _install_sigterm(stop)
+    host, port = _split(a.head, 6379)
+    resources = json.dumps({"rollout": a.rollout_resource})
+    while not stop.is_set():
+        if not wait_for_head(host, port, time.monotonic() + a.wait_s, stop):
+            if not stop.is_set():
+                _log(f"no Ray head at {host}:{port} for {a.wait_s:.0f} s: the trainer job is over")
+            return 0
+        node = RayNode(f"--address={host}:{port}", f"--resources={resources}", drain_s=0)
+        how = run_node(node, stop, (host, port), a.lost_s, lambda: drain(a.drain, max(a.grace_s - 30, 1)))
+        if how != "stopped":
+            _log(f"left the Ray cluster ({how}); waiting for a head again")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moerl.launch.node", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="run `moerl train` with a local Ray")
+    tr = sub.add_parser("trainer", help="a trainer node: rank 0 is the Ray head and runs the controller")
+    tr.add_argument("--rank", type=int, required=True)
+    tr.add_argument("--nodes", type=int, default=1, help="trainer nodes rank 0 waits for")
+    tr.add_argument("--port", type=int, default=6379, help="Ray head port")
+    tr.add_argument("--head", default="", help="HOST[:PORT] of rank 0 (ranks > 0)")
+    tr.add_argument("--head-env", default="TORCHX_RANK0_HOST", help="env var holding rank 0's host")
+    r = sub.add_parser("rollout", help="a rollout node: joins the Ray cluster with the `rollout` resource")
+    r.add_argument("--head", required=True, help="HOST:PORT of the Ray head")
+    r.add_argument("--rollout-resource", type=float, default=1.0)
+    r.add_argument("--grace-s", type=float, default=90.0, help="the pod's termination grace period")
+    r.add_argument("--drain", default="ray::RolloutWorker", help="process title prefix that gets SIGTERM first")
+    for q in (t, tr):
+        q.add_argument("--config", default="", help=f"config file (default: ${CONFIG_ENV}); "
+                       "other --section.key=value options go to `moerl train`")
+    for q in (tr, r):
+        q.add_argument("--wait-s", type=float, default=1800.0, help="how long to wait for the Ray head / nodes")
+        q.add_argument("--lost-s", type=float, default=60.0, help="a head unreachable this long is gone")
+    a, a.overrides = p.parse_known_args(argv)
+    if a.overrides and (a.cmd == "rollout" or not all(o.startswith("--") and "." in o for o in a.overrides)):
+        p.error(f"unrecognized arguments: {' '.join(a.overrides)}")
+    return {"train": cmd_train, "trainer": cmd_trainer, "rollout": cmd_rollout}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

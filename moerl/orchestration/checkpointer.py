@@ -1,0 +1,75 @@
+"""Checkpoints of a run: the trainer ranks' state (DCP, asynchronous) and the controller's state, committed last.
+
+    save(step):  trainer ranks stage their state and upload in the background (training goes on);
+                 the controller writes its own state (queue with leased and partial tasks, ready groups,
+                 version, data cursor, counters) and the architecture; once every rank's upload finished,
+                 `poll()` writes the COMMIT marker, then `latest`, then prunes to the newest `keep`.
+    restore():   the newest committed step: trainer state into every rank, controller state returned.
+
+A checkpoint whose upload never finished has no COMMIT and is ignored: the previous one stays `latest`.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from moerl.checkpoint.controller_state import decode_controller_state, encode_controller_state
+from moerl.checkpoint.export import write_arch
+from moerl.checkpoint.storage import CheckpointStore
+from moerl.model.config import MoEModelConfig
+from moerl.orchestration.pools import TrainerGroup
+from moerl.orchestration.rollout_worker import GroupResult
+
+CONTROLLER_FILE = "controller.pt"
+
+
+class Checkpointer:
+    def __init__(self, root: str, keep: int, arch: MoEModelConfig, fingerprint: dict, use_async: bool = True) -> None:
+        self.store, self.keep, self.arch, self.fingerprint = CheckpointStore(root), keep, arch, fingerprint
+        self.use_async = use_async
+        self.pending: tuple[int, list] | None = None  # (step, trainer save refs) awaiting commit
+
+    def save(self, step: int, trainer: TrainerGroup, controller_state: dict) -> None:
+        self.wait()  # one upload at a time: commit the previous one first
+        self.store.begin(step)
+        trainer.save_state(f"{self.store.step_path(step)}/trainer", self.use_async)
+        self.store.write_bytes(step, CONTROLLER_FILE,
+                               encode_controller_state(controller_state, extra_classes=(GroupResult,)))
+        write_arch(self.store, step, self.arch)
+        self.pending = (step, trainer.save_done())
+        if not self.use_async:
+            self.wait()
+
+    def poll(self) -> int | None:
+        """Commit the pending checkpoint if its uploads are done; returns the committed step."""
+        if self.pending is None:
+            return None
+        ready, _ = ray.wait(self.pending[1], num_returns=len(self.pending[1]), timeout=0)
+        return self.wait() if len(ready) == len(self.pending[1]) else None
+
+    def wait(self) -> int | None:
+        if self.pending is None:
+            return None
+        step, refs = self.pending
+        self.pending = None
+        ray.get(refs)
+        self.store.commit(step, {"fingerprint": self.fingerprint})
+        self.store.prune(self.keep)
+        return step
+
+    def latest(self) -> int | None:
+        return self.store.latest_step()
+
+    def restore(self, trainer: TrainerGroup) -> tuple[int, dict]:
+        step = self.store.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"--resume: no committed checkpoint under {self.store.root!r}")
+        self.store.verify(step)
+        saved = self.store.read_manifest(step).get("fingerprint", {})
+        mismatched = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if saved.get(k) != v}
+        if mismatched:
+            raise ValueError(f"--resume: checkpoint step {step} was written with another configuration: "
+                             + ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items()))
+        trainer.load_state(f"{self.store.step_path(step)}/trainer")
+        state = decode_controller_state(self.store.read_bytes(step, CONTROLLER_FILE), extra_classes=(GroupResult,))
+        return step, state
