@@ -187,18 +187,21 @@ def save_trainer_state(trainer, path: str, *, use_async: bool, thread_count: int
 
 # ---------------------------------------------------------------------------------------- load
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP stores its .metadata with plain pickle; accept only DCP's own classes, torch.Size, dtypes, layouts
-    and memory formats, so a forged .metadata in the bucket cannot run code when a run resumes."""
+    """DCP stores its .metadata with plain pickle. Accept only the data classes of DCP's metadata module (and
+    its per-file `_StorageInfo`), torch.Size, dtypes, layouts and memory formats, so a forged .metadata in the
+    bucket cannot run code when a run resumes. (A name imported into a DCP module, e.g. a writer class or
+    `os`, is not enough: the class must be defined in the metadata module itself.)"""
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name:  # a dotted name would let pickle walk attributes to anything
-            if module == "torch.serialization" and name == "_get_layout":  # how torch pickles torch.strided
+            if (module, name) in (("torch.serialization", "_get_layout"),  # how torch pickles torch.strided
+                                  ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                                  ("torch", "Size"), ("collections", "OrderedDict")):
                 return super().find_class(module, name)
-            if module.startswith("torch.distributed.checkpoint.") or module in ("torch", "collections"):
+            if module in ("torch", "torch.distributed.checkpoint.metadata"):
                 obj = super().find_class(module, name)
-                if (isinstance(obj, type) and module != "torch" and module != "collections") or obj is torch.Size \
-                        or isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)) \
-                        or (module == "collections" and name == "OrderedDict"):
+                if isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)) or (
+                        isinstance(obj, type) and obj.__module__ == "torch.distributed.checkpoint.metadata"):
                     return obj
         raise pickle.UnpicklingError(f"checkpoint .metadata refers to {module}.{name}, which is not allowed")
 

@@ -94,13 +94,21 @@ def drain(prefix: str, budget_s: float) -> None:
         time.sleep(0.5)
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when this process dies, however it dies (Linux prctl PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+
+
 class RayNode:
     """`ray start ... --block` as a child: stopping it stops this node's Ray processes only (not `ray stop`,
     which would stop every Ray on the machine)."""
 
     def __init__(self, *args: str, drain_s: float = 30.0) -> None:
         env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)}
-        self.proc = subprocess.Popen(_ray("start", *args, "--block"), env=env)
+        self.proc = subprocess.Popen(_ray("start", *args, "--block"), env=env, preexec_fn=_die_with_parent)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -165,25 +173,36 @@ def cmd_trainer(a: argparse.Namespace) -> int:
             return 1
         how = run_node(RayNode(f"--address={host}:{port}"), stop, (host, port), a.lost_s)
         return 0 if how == "stopped" else 1  # head lost or Ray died: the trainer job restarts as a whole
-    config = config_path(a.config)
+    import ray
+
+    config, address = config_path(a.config), f"{ray.util.get_node_ip_address()}:{a.port}"
     head = RayNode("--head", f"--port={a.port}", "--include-dashboard=false", "--disable-usage-stats")
     try:
-        if not wait_for_head("127.0.0.1", a.port, time.monotonic() + 120) or not head.alive():
-            raise SystemExit(f"error: the Ray head did not start on port {a.port}")
-        _wait_for_nodes(a.nodes, a.wait_s)
+        if not wait_for_head(*_split(address, a.port), deadline=time.monotonic() + 120) or not head.alive():
+            raise SystemExit(f"error: the Ray head did not start at {address}")
+        _wait_for_nodes(address, a.nodes, a.wait_s)
         from moerl.cli import main
 
-        return main(["train", config, "--ray.address=auto", *a.overrides])
+        return main(["train", config, f"--ray.address={address}", *a.overrides])
     finally:
         head.stop()
 
 
-def _wait_for_nodes(nodes: int, wait_s: float) -> None:
+def _wait_for_nodes(address: str, nodes: int, wait_s: float) -> None:
+    """Until `nodes` nodes without the `rollout` resource are alive (an explicit address: "auto" may find
+    another Ray on the machine)."""
     import ray
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    deadline = time.monotonic() + wait_s
+    while True:  # the head's raylet registers a moment after its GCS port opens
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            break
+        except (ConnectionError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
     try:
-        deadline = time.monotonic() + wait_s
         while True:
             alive = [n for n in ray.nodes() if n["Alive"] and not n["Resources"].get("rollout", 0)]
             if len(alive) >= nodes:

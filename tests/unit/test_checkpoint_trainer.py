@@ -115,9 +115,15 @@ def test_missing_and_forged_metadata_are_refused(tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(CheckpointError, match=r"\.metadata: checkpoint \.metadata refers to (posix|os)\.system"):
-        load_trainer_state(make_trainer(), str(tmp_path / "ck"))
+    class Writer:  # a class DCP's modules import or define, but not a metadata data class
+        def __reduce__(self):
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+            return (FileSystemWriter, (str(marker),))
+
+    for forged, name in ((Evil(), r"(posix|os)\.system"), (Writer(), r"torch\.distributed\.checkpoint\.filesystem\.FileSystemWriter")):
+        (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(forged))
+        with pytest.raises(CheckpointError, match=rf"\.metadata: checkpoint \.metadata refers to {name}, which is not allowed"):
+            load_trainer_state(make_trainer(), str(tmp_path / "ck"))
     assert not marker.exists()
 
 
