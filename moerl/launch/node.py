@@ -90,8 +90,16 @@ def drain(prefix: str, budget_s: float) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + budget_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
         time.sleep(0.5)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _die_with_parent() -> None:
@@ -178,7 +186,11 @@ def cmd_trainer(a: argparse.Namespace) -> int:
     config, address = config_path(a.config), f"{ray.util.get_node_ip_address()}:{a.port}"
     head = RayNode("--head", f"--port={a.port}", "--include-dashboard=false", "--disable-usage-stats")
     try:
-        if not wait_for_head(*_split(address, a.port), deadline=time.monotonic() + 120) or not head.alive():
+        deadline = time.monotonic() + 120
+        while head.alive() and not wait_for_head(*_split(address, a.port), deadline=time.monotonic() + 1):
+            if time.monotonic() > deadline:
+                break
+        if not head.alive() or time.monotonic() > deadline:
             raise SystemExit(f"error: the Ray head did not start at {address}")
         _wait_for_nodes(address, a.nodes, a.wait_s)
         from moerl.cli import main

@@ -161,7 +161,7 @@ class Striker(threading.Thread):
                     info = None  # not (yet) registered
                 if info is None:
                     self._wait(f"actor {self.actor} with requests in flight")
-            self.pid, self.worker_id = info["pid"], info["worker_id"]
+            self.pid, self.worker_id, self.info = info["pid"], info["worker_id"], info
             t0 = time.monotonic()
             os.kill(self.pid, self.sig)
             if self.exit_within_s:
@@ -230,9 +230,10 @@ def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
     cfg = small_config(tmp_path)
     striker = Striker(tmp_path, signal.SIGTERM, exit_within_s=cfg.rollout.grace_s)
     result = run_with_striker(cfg, striker)
-    print(f"SIGTERM {striker.worker_id} pid {striker.pid} exited after {striker.exit_s} s: {result['counters']} "
+    print(f"SIGTERM {striker.info} exited after {striker.exit_s} s: {result['counters']} "
           f"queue {result['queue']}; partial tokens handed back "
-          f"{[[p and len(p.token_ids) for p in parts] for _, _, parts in handbacks]}")
+          f"{[[p and len(p.token_ids) for p in parts] for _, _, parts in handbacks]}; group seconds "
+          f"{sorted(round(g.seconds, 2) for g in groups)[::20]}")
 
     assert result["counters"]["preempted"] >= 1
     assert result["queue"]["handed_back"] >= 1

@@ -1,0 +1,80 @@
+"""`moerl launch` end to end on this machine: the demo through TorchX's local_cwd scheduler, and the pod
+entrypoints of the Kubernetes path (trainer rank 0 as the Ray head + controller, a rollout node joining it
+with the `rollout` resource and leaving once the head is gone).
+
+    PYTHONPATH=. RAY_AUTH_MODE=disabled python -m pytest tests/integration/test_launch_local.py -m integration
+
+Ray runs with its own RAY_TMPDIR and explicit addresses, so another Ray on the machine is neither joined
+nor stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.toml"
+SHORT = ["--train.steps=2", "--train.sft_steps=2"]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def env() -> Iterator[dict[str, str]]:
+    ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    yield {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp}
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(150)
+def test_local_cwd_launch_runs_the_demo(tmp_path: Path, env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "moerl.cli", "launch", str(DEMO), "--scheduler", "local_cwd", *SHORT,
+                          f"--run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=140)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "launched local_cwd://" in out.stdout and "SUCCEEDED" in out.stdout and "done: 2 steps" in out.stdout
+    assert max(m["step"] for m in metrics(run_dir)) == 2
+
+
+@pytest.mark.timeout(150)
+def test_head_and_rollout_node_entrypoints(tmp_path: Path, env: dict[str, str]) -> None:
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    head = f"{ray.util.get_node_ip_address()}:{port}"
+    run_dir, e = tmp_path / "run", env
+    node = [sys.executable, "-m", "moerl.launch.node"]
+    trainer = subprocess.Popen([*node, "trainer", "--rank", "0", "--nodes", "1", "--port", str(port), "--wait-s", "60",
+                                "--config", str(DEMO), *SHORT, f"--run.dir={run_dir}"], env=e, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rollout = subprocess.Popen([*node, "rollout", "--head", head, "--wait-s", "10", "--lost-s", "5"], env=e,
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t_out, _ = trainer.communicate(timeout=120)
+        r_out, _ = rollout.communicate(timeout=60)
+    finally:
+        for p in (trainer, rollout):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+    assert trainer.returncode == 0, t_out[-3000:]
+    assert "1/1 trainer nodes are up" in t_out and "done: 2 steps" in t_out
+    assert rollout.returncode == 0, r_out[-3000:]
+    assert "the trainer job is over" in r_out
+    assert max(m["step"] for m in metrics(run_dir)) == 2
