@@ -63,7 +63,7 @@ def _trainer(size_mb: float):
     from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample, collate
 
     arch = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256)
+                head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)  # ~40 MB per layer
 
     def params(layers: int) -> int:
         with torch.device("meta"):
@@ -79,10 +79,6 @@ def _trainer(size_mb: float):
     batch = collate(samples, model.num_moe_layers, model.config.num_experts_per_tok, "cpu")
     trainer.rl_step(batch)
     return trainer, batch, layers
-
-
-def _median(fn: Callable[[int], float], iters: int) -> float:
-    return statistics.median(fn(i) for i in range(iters))
 
 
 def _disk_write_bw(nbytes: int) -> float:
@@ -126,24 +122,23 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
     trainer, batch, layers = _trainer(args.size_mb)
     state_bytes = sum(t.numel() * t.element_size() for t in trainer_state_dict(trainer).values())
     where = "moto S3 server on 127.0.0.1 (own process)" if local_moto else "the S3 endpoint given"
-    print(f"checkpoint: {state_bytes / 1e6:.0f} MB trainer state ({layers}-layer MoE, 32 experts, fp32 + AdamW), "
-          f"{where}, DCP writer threads {args.threads}, median of {args.iters}; {device_description(torch.device('cpu'))}")
+    print(f"checkpoint: {state_bytes / 1e6:.0f} MB trainer state ({layers}-layer MoE, 16 experts, fp32 + AdamW), "
+          f"{where}, DCP writer threads {args.threads}, median of {args.iters}; {device_description(torch.device('cpu'))}; "
+          f"load average {os.getloadavg()[0]:.1f}")
 
-    def save(i: int, use_async: bool = False) -> float:
+    def save(i) -> float:
         t0 = time.perf_counter()
-        fut = save_trainer_state(trainer, f"s3://{run}/save{i}/trainer", use_async=use_async, thread_count=args.threads)
-        if fut is not None:
-            fut.result()
+        save_trainer_state(trainer, f"s3://{run}/save{i}/trainer", use_async=False, thread_count=args.threads)
         return time.perf_counter() - t0
 
-    save_s = _median(save, args.iters)
-    files = {p: fs.cat_file(p) for p in fs.find(f"{run}/save0/trainer")}  # the very bytes DCP wrote
+    save("warm")  # connections, first-call costs; its files are what the peer uploads
+    files = {p: fs.cat_file(p) for p in fs.find(f"{run}/savewarm/trainer")}  # the very bytes DCP wrote
     nbytes = sum(len(b) for b in files.values())
 
     def put(i: int) -> float:
         t0 = time.perf_counter()
         for p, data in files.items():
-            fs.pipe_file(p.replace("/save0/", f"/put{i}/"), data)
+            fs.pipe_file(p.replace("/savewarm/", f"/put{i}/"), data)
         return time.perf_counter() - t0
 
     def load(i: int) -> float:
@@ -154,10 +149,8 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
     def cat(i: int) -> float:
         t0 = time.perf_counter()
         for p in files:
-            fs.cat_file(p.replace("/save0/", f"/put{i}/"))
+            fs.cat_file(p.replace("/savewarm/", f"/put{i}/"))
         return time.perf_counter() - t0
-
-    put_s, load_s, cat_s = _median(put, args.iters), _median(load, args.iters), _median(cat, args.iters)
 
     def stall(i: int) -> float:
         t0 = time.perf_counter()
@@ -166,22 +159,28 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
         fut.result()
         return blocked
 
-    stall_s = _median(stall, args.iters)
-
     def with_steps(i: int, use_async: bool) -> float:
         t0 = time.perf_counter()
-        fut = save_trainer_state(trainer, f"s3://{run}/steps{i}{'a' if use_async else 's'}/trainer", use_async=use_async, thread_count=args.threads)
+        fut = save_trainer_state(trainer, f"s3://{run}/steps{i}{'a' if use_async else 's'}/trainer",
+                                 use_async=use_async, thread_count=args.threads)
         for _ in range(3):
             trainer.rl_step(batch)
         if fut is not None:
             fut.result()
         return time.perf_counter() - t0
 
-    step_s = _median(lambda i: _time(lambda: trainer.rl_step(batch)), args.iters)
-    async_steps = _median(lambda i: with_steps(i, True), args.iters)
-    sync_steps = _median(lambda i: with_steps(i, False), args.iters)
+    # Ours and the peer's alternate within each repetition, so load from elsewhere on the machine hits both.
+    runs: dict[str, list[float]] = {}
+    for i in range(args.iters):
+        for name, fn in (("save", save), ("put", put), ("load", load), ("cat", cat), ("stall", stall),
+                         ("async_steps", lambda i: with_steps(i, True)), ("sync_steps", lambda i: with_steps(i, False)),
+                         ("step", lambda i: _time(lambda: trainer.rl_step(batch)))):
+            runs.setdefault(name, []).append(fn(i))
+        fs.rm(f"{run}/", recursive=True)  # moto keeps objects in memory
+        fs.invalidate_cache()
+    save_s, put_s, load_s, cat_s, stall_s, async_steps, sync_steps, step_s = (
+        statistics.median(runs[k]) for k in ("save", "put", "load", "cat", "stall", "async_steps", "sync_steps", "step"))
     disk = _disk_write_bw(nbytes)
-    fs.rm(run, recursive=True)
     mb = nbytes / 1e6
     rows = [
         Row("save MB/s (DCP vs s3fs pipe_file of the same files)", mb / save_s, mb / put_s, "MB/s", disk / 1e6),
@@ -191,7 +190,8 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
     ]
     print(format_table(f"moerl bench checkpoint ({mb:.0f} MB of files per save, train step {step_s:.2f} s)", rows,
                        peer_name="peer"))
-    print(f"of hw limit: save MB/s over local-disk write bandwidth ({disk / 1e6:,.0f} MB/s, 8 MiB writes + fsync)")
+    print(f"of hw limit: save MB/s over local-disk write bandwidth ({disk / 1e6:,.0f} MB/s, 8 MiB writes + fsync); "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0
 
 

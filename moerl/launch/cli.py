@@ -70,7 +70,8 @@ def _local(runner: Any, info: Any) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from moerl.launch.plan import SCHEDULERS, plan as make_plan
+    from moerl.launch.plan import SCHEDULERS
+    from moerl.launch.plan import plan as make_plan
 
     parser = argparse.ArgumentParser(prog="moerl launch", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,18 +98,19 @@ def main(argv: list[str]) -> int:
                 print("\n".join(str(info) for info, _ in infos))
                 return 0
             return _local(runner, infos[0][0])
+        jobs = [job for _, job in infos if job is not None]
+        assert plan.secret is not None and len(jobs) == len(infos), "a kubernetes plan shapes every job"
         if args.dryrun:
-            docs = [plan.secret, *(job for _, job in infos)]
             print("# moerl launch --dryrun: nothing was submitted; `kubectl apply -f -` takes these as they are")
-            print(to_yaml(docs), end="")
+            print(to_yaml([plan.secret, *jobs]), end="")
             return 0
         _create_secret(plan.secret)
-        for info, job in infos:
+        namespace = plan.scheduler_cfg["namespace"]
+        for (info, _), job in zip(infos, jobs):
+            name = job["metadata"]["name"]
             try:
-                print(f"submitted {runner.schedule(info)}  (kubectl get vcjob {job['metadata']['name']} -n "
-                      f"{job['metadata'].get('namespace') or plan.scheduler_cfg['namespace']})", flush=True)
+                print(f"submitted {runner.schedule(info)}  (kubectl get vcjob {name} -n {namespace})", flush=True)
             except ValueError as e:  # TorchX: the job exists (409)
-                print(f"error: {e}; delete it first: kubectl delete vcjob {job['metadata']['name']} "
-                      f"-n {plan.scheduler_cfg['namespace']}", file=sys.stderr)
+                print(f"error: {e}; delete it first: kubectl delete vcjob {name} -n {namespace}", file=sys.stderr)
                 return 1
     return 0

@@ -14,10 +14,12 @@ zone, tolerations or grace periods: `moerl launch` adds those to the Kubernetes 
 TorchX's component linter reads these signatures: keep typing.Optional/List/Dict here, not `X | None`.
 """
 
+# ruff: noqa: UP006, UP035, UP045 - TorchX 0.7's component linter needs typing.Optional/List/Dict
+import os
 import sys
 from typing import Dict, List, Optional
 
-import torchx.specs as specs
+from torchx import specs
 
 from moerl.launch.node import CONFIG_ENV, encode_config
 
@@ -46,7 +48,8 @@ def trainer_app(config_b64: str, name: str, image: str = "", nodes: int = 1, mod
         "--port", str(ray_port), "--head-env", specs.macros.rank0_env, "--wait-s", str(wait_s)]
     efa = (res.devices.get(EFA_RESOURCE, 0) if res else 0)
     role = specs.Role(name=TRAINER, image=image, entrypoint=python or (sys.executable if mode == "local" else "python"),
-                      args=args, env={**(EFA_ENV if efa else {}), **(env or {}), CONFIG_ENV: config_b64},
+                      args=args, env={**(EFA_ENV if efa else {}), **(env or {}), CONFIG_ENV: config_b64,
+                                      **({"PATH": os.environ.get("PATH", "")} if mode == "local" else {})},
                       num_replicas=nodes, max_retries=max_retries, retry_policy=specs.RetryPolicy.APPLICATION,
                       resource=res or specs.Resource(cpu=1, gpu=0, memMB=1024), port_map={"ray": ray_port})
     return specs.AppDef(name=f"{name}-{TRAINER}", roles=[role])
@@ -90,9 +93,9 @@ def trainer(
         overrides: config overrides, `section.key=value` (comma-separated)
         python: interpreter to run (default: this one in local mode, `python` in cluster mode)
     """
-    from moerl.config import dump_toml, load_config
+    from moerl.config import MoerlConfig, dump_toml, load_config
 
-    cfg = load_config(config, overrides or [])
+    cfg: MoerlConfig = load_config(config, overrides or [])
     return trainer_app(encode_config(dump_toml(cfg)), name or cfg.run.name, image, nodes, mode,
                        resource(cpu, gpus, memory_gib, efa, instance_type), ray_port, max_retries, wait_s, env,
                        python)

@@ -34,6 +34,7 @@ class JobShape:
     zone: str
     grace_s: int
     min_available: int
+    namespace: str = ""  # written into the job, so the dry run's YAML applies as it is
     tolerations: list[str] = field(default_factory=list)  # `key[=value][:effect]`
     hugepages_mib: int = 0
     volumes: dict[str, str] = field(default_factory=dict)  # PVC claim -> mount path
@@ -85,6 +86,8 @@ def shape_job(resource: dict[str, Any], shape: JobShape) -> dict[str, Any]:
     """A new, plain-dict Volcano Job: `resource` (TorchX's request) with what `shape` adds."""
     job = plain(resource)
     job = _replace(job, job["metadata"]["name"], shape.job_name)  # name, instance label, TORCHX_JOB_ID
+    if shape.namespace:
+        job["metadata"]["namespace"] = shape.namespace
     spec = job["spec"]
     spec["minAvailable"] = shape.min_available
     spec["plugins"]["svc"] = sorted(set(spec["plugins"].get("svc", [])) | {"--disable-network-policy"})

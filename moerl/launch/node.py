@@ -7,7 +7,7 @@
 The job's resolved config travels base64-encoded in $MOERL_CONFIG_B64 (no file to ship, no macro or shell
 quoting in the way); `--config PATH` reads a file instead. A rollout pod that gets SIGTERM (a spot drain)
 forwards it to its `ray::RolloutWorker` processes first, so they hand back their work, and stops Ray once
-they have exited or `--grace-s` less a margin has passed. A rollout pod waits up to `--wait-s` for the Ray
+they have exited or `--grace-s` less 20 s has passed. A rollout pod waits up to `--wait-s` for the Ray
 head (at start and whenever the head goes away) and exits 0 when none comes: the trainer job is over.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import os
 import signal
 import socket
@@ -24,8 +25,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 CONFIG_ENV = "MOERL_CONFIG_B64"
 
@@ -116,7 +117,8 @@ class RayNode:
 
     def __init__(self, *args: str, drain_s: float = 30.0) -> None:
         env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)}
-        self.proc = subprocess.Popen(_ray("start", *args, "--block"), env=env, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(_ray("start", *args, "--block"), env=env,
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call, no locks
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -208,7 +210,7 @@ def _wait_for_nodes(address: str, nodes: int, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while True:  # the head's raylet registers a moment after its GCS port opens
         try:
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
             break
         except (ConnectionError, RuntimeError):
             if time.monotonic() > deadline:
@@ -239,7 +241,7 @@ def cmd_rollout(a: argparse.Namespace) -> int:
                 _log(f"no Ray head at {host}:{port} for {a.wait_s:.0f} s: the trainer job is over")
             return 0
         node = RayNode(f"--address={host}:{port}", f"--resources={resources}", drain_s=0)
-        how = run_node(node, stop, (host, port), a.lost_s, lambda: drain(a.drain, max(a.grace_s - 30, 1)))
+        how = run_node(node, stop, (host, port), a.lost_s, lambda: drain(a.drain, max(a.grace_s - 20, 1)))
         if how != "stopped":
             _log(f"left the Ray cluster ({how}); waiting for a head again")
     return 0
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     for q in (tr, r):
         q.add_argument("--wait-s", type=float, default=1800.0, help="how long to wait for the Ray head / nodes")
         q.add_argument("--lost-s", type=float, default=60.0, help="a head unreachable this long is gone")
-    a, a.overrides = p.parse_known_args(argv)
+    a, overrides = p.parse_known_args(argv)
+    a.overrides = overrides
     if a.overrides and (a.cmd == "rollout" or not all(o.startswith("--") and "." in o for o in a.overrides)):
         p.error(f"unrecognized arguments: {' '.join(a.overrides)}")
     return {"train": cmd_train, "trainer": cmd_trainer, "rollout": cmd_rollout}[a.cmd](a)

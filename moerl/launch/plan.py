@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torchx.specs import AppDef
@@ -15,7 +16,7 @@ from moerl.config import ConfigError, MoerlConfig, dump_toml
 from moerl.launch.components import resource, rollout, trainer_app
 from moerl.launch.kubernetes import JobShape, head_address, token_secret
 from moerl.launch.node import encode_config
-from moerl.launch.presets import InstanceType, PRESETS
+from moerl.launch.presets import PRESETS, InstanceType
 
 SCHEDULERS = ("local_cwd", "kubernetes")
 COMPLETE_ON_RANK0 = [{"event": "TaskCompleted", "action": "CompleteJob"}]
@@ -75,9 +76,9 @@ def check(cfg: MoerlConfig, scheduler: str) -> None:
                     "availability zone (e.g. us-east-2b)")
     if cfg.ray.address:
         raise _fail("ray.address", "must be empty: the launched job starts its own Ray head on trainer rank 0")
-    if la.rollout_nodes and la.rollout_grace_s < cfg.rollout.grace_s + 10:
+    if la.rollout_nodes and la.rollout_grace_s < cfg.rollout.grace_s + 20:
         raise _fail("launch.rollout_grace_s", f"({la.rollout_grace_s} s) must exceed rollout.grace_s "
-                    f"({cfg.rollout.grace_s:g} s, the workers' hand-back) by at least 10 s")
+                    f"({cfg.rollout.grace_s:g} s, the workers' hand-back) by at least 20 s (Ray's own stop)")
     itype = _instance("launch.instance_type", la.instance_type)
     gpus = _per_node("launch.gpus_per_node", la.gpus_per_node, itype.gpus, "GPUs", itype)
     _per_node("launch.efa_per_node", la.efa_per_node, itype.efa, "EFA devices", itype)
@@ -99,7 +100,8 @@ def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
     check(cfg, scheduler)
     name, config_b64 = job_base_name(cfg), encode_config(dump_toml(cfg))
     if scheduler == "local_cwd":  # the trainer app only: rollout workers are actors in the local Ray
-        return Plan(scheduler, [Planned(trainer_app(config_b64, name, mode="local"))])
+        return Plan(scheduler, [Planned(trainer_app(config_b64, name, mode="local"))],
+                    {"log_dir": str(Path(cfg.run.dir).absolute() / "torchx")})
     la = cfg.launch
     itype = PRESETS[la.instance_type]
     gpus = itype.gpus if la.gpus_per_node == -1 else la.gpus_per_node
@@ -107,7 +109,8 @@ def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
     res = resource(la.cpus_per_node or itype.pod_cpus, gpus, la.memory_gib_per_node or itype.pod_memory_gib,
                    efa, itype.name)
     secret = f"{name}-ray-token"
-    common = dict(zone=la.zone, tolerations=list(la.tolerations), volumes=dict(la.volumes), token_secret=secret)
+    common: dict[str, Any] = {"zone": la.zone, "namespace": la.namespace, "tolerations": list(la.tolerations),
+                              "volumes": dict(la.volumes), "token_secret": secret}
     trainer_job = f"{name}-trainer"
     apps = [Planned(trainer_app(config_b64, name, la.image, la.trainer_nodes, "cluster", res, la.ray_port,
                                 la.trainer_max_retries, la.head_wait_s, dict(la.env)),

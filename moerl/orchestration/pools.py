@@ -33,16 +33,20 @@ class TrainerGroup:
     """N trainer ranks forming one torch.distributed group; a step is one call on every rank."""
 
     def __init__(self, spec: TrainerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float) -> None:
-        options = {"num_cpus": cpus_per_rank, "num_gpus": gpus_per_rank, "name": None}
-        if _has_rollout_nodes():
-            others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("rollout", 0) == 0]
-            if others:
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(others[0], soft=False)
+        options: dict = {"num_cpus": cpus_per_rank, "num_gpus": gpus_per_rank}
+        others = []
+        if _has_rollout_nodes():  # keep the trainer off spot capacity: nodes without the `rollout` resource
+            others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("rollout", 0) == 0)
         cls = ray.remote(TrainerRank)
         host = ray.util.get_node_ip_address()
         master = f"{host}:{_free_port(host)}"
-        self.ranks = [cls.options(**{k: v for k, v in options.items() if k != "name"}).remote(r, num_ranks, master, spec)
-                      for r in range(num_ranks)]
+        self.ranks = []
+        for r in range(num_ranks):
+            rank_options = dict(options)
+            if others:  # contiguous blocks of ranks per node, spread over all trainer nodes
+                node = others[r * len(others) // num_ranks]
+                rank_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+            self.ranks.append(cls.options(**rank_options).remote(r, num_ranks, master, spec))
         self.timeout_s = spec.collective_timeout_s
         ray.get([r.pid.remote() for r in self.ranks], timeout=self.timeout_s)  # the group is up
 

@@ -38,11 +38,22 @@ pytestmark = pytest.mark.integration
 
 # ------------------------------------------------------------------------------------------ helpers
 class FlakyTask(ArithmeticTask):
-    """Arithmetic whose reward raises for a deterministic subset of completions (token-id sum % 3 == 0)."""
+    """Arithmetic whose reward raises for a deterministic subset of completions (token-id sum % 3 == 0), and
+    whose prompts at index % 5 == 3 are longer than `rollout.max_seq_len` (64): every generation of them fails."""
 
     @staticmethod
     def flaky(completion_token_ids: list[int]) -> bool:
         return sum(completion_token_ids) % 3 == 0
+
+    @staticmethod
+    def unplayable(task_id: str) -> bool:
+        return int(task_id.rsplit("-", 1)[1]) % 5 == 3
+
+    def prompt_at(self, index: int):
+        prompt = super().prompt_at(index)
+        if self.unplayable(prompt.task_id):
+            prompt.prompt_token_ids = prompt.prompt_token_ids + self.tokenizer.encode(" " * 80)
+        return prompt
 
     def reward(self, prompt, completion_token_ids):
         if self.flaky(completion_token_ids):
@@ -79,6 +90,7 @@ class Captured:
         self.groups: list = []  # GroupResult handed to the SampleBuilder, in order
         self.handbacks: list = []  # (task_id, worker_id, partials) of hand-backs the queue accepted
         self.finished: dict = {}  # task_id -> (worker_id, policy version when first seen, its oldest token's)
+        self.fails: list = []  # (task_id, error, outcome) of every failed generation reported
 
 
 @pytest.fixture
@@ -89,6 +101,7 @@ def captured(monkeypatch) -> Captured:
 
     seen = Captured()
     build, hand_back, take_batch = SampleBuilder.build, WorkQueue.hand_back, Controller._take_batch
+    fail = WorkQueue.fail
 
     def build_spy(self, batch, step, version):
         seen.groups.extend(batch)
@@ -106,6 +119,12 @@ def captured(monkeypatch) -> Captured:
             seen.finished.setdefault(g.task_id, (g.worker_id, self.state.version, oldest))
         return take_batch(self)
 
+    def fail_spy(self, task_id, worker_id, error, now):
+        outcome = fail(self, task_id, worker_id, error, now)
+        seen.fails.append((task_id, error, outcome))
+        return outcome
+
+    monkeypatch.setattr(WorkQueue, "fail", fail_spy)
     monkeypatch.setattr(SampleBuilder, "build", build_spy)
     monkeypatch.setattr(WorkQueue, "hand_back", hand_back_spy)
     monkeypatch.setattr(Controller, "_take_batch", take_batch_spy)
@@ -126,48 +145,59 @@ def pid_alive(pid: int) -> bool:
 
 
 class Striker(threading.Thread):
-    """Waits for RL step `at_step`, then signals a rollout worker while it has requests in flight."""
+    """Waits for RL step `at_step`, then signals rollout workers while they have requests in flight: the
+    first of `actors`, and the next ones (each once its predecessor is gone) until `enough()` holds."""
 
-    def __init__(self, run_dir: Path, sig: int, actor: str = "RolloutWorker-rollout-0", at_step: int = 2,
-                 deadline_s: float = 150.0, exit_within_s: float = 0.0) -> None:
+    def __init__(self, run_dir: Path, sig: int, actors=("RolloutWorker-rollout-0",), at_step: int = 2,
+                 deadline_s: float = 150.0, exit_within_s: float = 0.0, enough=lambda: True) -> None:
         super().__init__(daemon=True, name=f"striker-{sig}")
-        self.run_dir, self.sig, self.actor, self.at_step = run_dir, sig, actor, at_step
+        self.run_dir, self.sig, self.actors, self.at_step = run_dir, sig, actors, at_step
         self.deadline = time.monotonic() + deadline_s
-        self.exit_within_s = exit_within_s
+        self.exit_within_s, self.enough = exit_within_s, enough
         self.stop = threading.Event()
-        self.pid: int | None = None
-        self.worker_id: str | None = None
-        self.exit_s: float | None = None  # seconds from the signal until the process was gone
+        self.struck: list[dict] = []  # the worker's ping answer just before the signal, + "exit_s"
         self.error: BaseException | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.struck[0]["pid"]
+
+    @property
+    def worker_id(self) -> str:
+        return self.struck[0]["worker_id"]
 
     def _wait(self, what: str) -> None:
         if self.stop.is_set() or time.monotonic() > self.deadline:
             raise TimeoutError(f"striker gave up waiting for {what}")
         time.sleep(0.02)
 
+    def _busy(self, actor: str) -> dict:
+        import ray
+
+        while True:
+            try:
+                info = ray.get(ray.get_actor(actor).ping.remote(), timeout=10)
+                if info["in_flight"] > 0:  # strike while the worker is generating
+                    return info
+            except (ValueError, ray.exceptions.RayError):
+                pass  # not (yet) registered
+            self._wait(f"actor {actor} with requests in flight")
+
     def run(self) -> None:
         try:
-            import ray
-
             while last_step(self.run_dir) < self.at_step:
                 self._wait(f"RL step {self.at_step} in metrics.jsonl")
-            info = None
-            while info is None:
-                try:
-                    info = ray.get(ray.get_actor(self.actor).ping.remote(), timeout=10)
-                    if info["in_flight"] == 0:
-                        info = None  # strike while the worker is generating
-                except (ValueError, ray.exceptions.RayError):
-                    info = None  # not (yet) registered
-                if info is None:
-                    self._wait(f"actor {self.actor} with requests in flight")
-            self.pid, self.worker_id, self.info = info["pid"], info["worker_id"], info
-            t0 = time.monotonic()
-            os.kill(self.pid, self.sig)
-            if self.exit_within_s:
-                while pid_alive(self.pid) and time.monotonic() - t0 < self.exit_within_s + 30:
-                    time.sleep(0.05)
-                self.exit_s = time.monotonic() - t0 if not pid_alive(self.pid) else None
+            for actor in self.actors:
+                info = self._busy(actor)
+                t0 = time.monotonic()
+                os.kill(info["pid"], self.sig)
+                self.struck.append({**info, "exit_s": None})  # seconds from the signal until the process was gone
+                if self.exit_within_s:
+                    while pid_alive(info["pid"]) and time.monotonic() - t0 < self.exit_within_s + 30:
+                        time.sleep(0.05)
+                    self.struck[-1]["exit_s"] = None if pid_alive(info["pid"]) else time.monotonic() - t0
+                if self.enough():
+                    return
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
 
@@ -195,7 +225,7 @@ def check_trained_once(run_dir: Path, result: dict, groups: list, steps: int) ->
     assert max(keys.values()) == 1, f"trained twice: {[k for k, n in keys.items() if n > 1]}"
     per_task = Counter(r["task_id"] for r in rows)
     failed_in = {g.task_id: sum(r is None for r in g.rewards) for g in groups}
-    assert Counter(g.task_id for g in groups).most_common(1)[0][1] == 1, "a group reached the trainer twice"
+    assert groups and Counter(g.task_id for g in groups).most_common(1)[0][1] == 1, "a group trained twice"
     for tid, n in per_task.items():
         assert n == GROUP - failed_in[tid], f"{tid}: {n} rows for group_size {GROUP}, {failed_in[tid]} failed"
     assert len(rows) == result["counters"]["samples_trained"]
@@ -227,31 +257,38 @@ def test_sigkill_worker_mid_run(tmp_path, ray_env, captured):
 @pytest.mark.timeout(150)
 def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
     groups, handbacks = captured.groups, captured.handbacks
-    cfg = small_config(tmp_path)
-    striker = Striker(tmp_path, signal.SIGTERM, exit_within_s=cfg.rollout.grace_s)
-    result = run_with_striker(cfg, striker)
-    print(f"SIGTERM {striker.info} exited after {striker.exit_s} s: {result['counters']} "
-          f"queue {result['queue']}; partial tokens handed back "
-          f"{[[p and len(p.token_ids) for p in parts] for _, _, parts in handbacks]}; group seconds "
-          f"{sorted(round(g.seconds, 2) for g in groups)[::20]}")
+    cfg = small_config(tmp_path, steps=30)
 
-    assert result["counters"]["preempted"] >= 1
-    assert result["queue"]["handed_back"] >= 1
-    assert striker.exit_s is not None and striker.exit_s <= cfg.rollout.grace_s + 2.5, \
-        f"the preempted worker took {striker.exit_s} s to exit (grace {cfg.rollout.grace_s} s)"
+    def partial_tokens(parts) -> bool:
+        return any(p is not None and p.token_ids and p.finish_reason == "abort" for p in parts)
+
+    # A worker that happens to be between two groups when SIGTERM lands has nothing to hand back; then
+    # the other one is preempted too (once the first is gone), so that token continuation is exercised.
+    striker = Striker(tmp_path, signal.SIGTERM, actors=("RolloutWorker-rollout-0", "RolloutWorker-rollout-1"),
+                      exit_within_s=cfg.rollout.grace_s, enough=lambda: any(partial_tokens(p) for *_, p in handbacks))
+    result = run_with_striker(cfg, striker)
+    print(f"SIGTERM {striker.struck}: {result['counters']} queue {result['queue']}; partial tokens handed back "
+          f"{[[p and len(p.token_ids) for p in parts] for _, _, parts in handbacks]}")
+
+    struck = {s["worker_id"] for s in striker.struck}
+    assert result["counters"]["preempted"] >= 1 and result["queue"]["handed_back"] >= 1
+    for s in striker.struck:
+        assert s["exit_s"] is not None and s["exit_s"] <= cfg.rollout.grace_s + 2.5, \
+            f"preempted {s['worker_id']} took {s['exit_s']} s to exit (grace {cfg.rollout.grace_s} s)"
     rows = check_trained_once(tmp_path, result, groups, cfg.train.steps)
 
     # Token continuation: a handed-back partial with tokens was finished by another worker, keeping its
-    # tokens, log-probs and versions; every token of the finished completion has a log-prob and a version.
-    assert all(w == striker.worker_id for _, w, _ in handbacks)
-    partial_by_task = {tid: parts for tid, _, parts in handbacks
-                       if any(p is not None and p.token_ids and p.finish_reason == "abort" for p in parts)}
-    assert partial_by_task, "the preempted worker handed back no partial tokens"
+    # tokens, log-probs, versions and routing; every token of the finished completion has a log-prob and a version.
+    assert {w for _, w, _ in handbacks} <= struck
+    last_handback = {tid: (w, parts) for tid, w, parts in handbacks}
+    partial_by_task = {tid: (w, parts) for tid, (w, parts) in last_handback.items() if partial_tokens(parts)}
+    assert partial_by_task, "the preempted workers handed back no partial tokens"
     continued = [g for g in groups if g.task_id in partial_by_task]
     assert continued, "no handed-back group was trained"
     for g in continued:
-        assert g.worker_id != striker.worker_id
-        for p, c in zip(partial_by_task[g.task_id], g.completions):
+        by, parts = partial_by_task[g.task_id]
+        assert g.worker_id != by, "continued by the worker that handed it back"
+        for p, c in zip(parts, g.completions):
             assert len(c.token_ids) == len(c.logprobs) == len(c.versions)
             assert c.routed_experts.shape[0] == len(c.prompt_token_ids) + len(c.token_ids) - 1
             if p is not None:
@@ -259,17 +296,37 @@ def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
                 assert c.token_ids[:n] == p.token_ids and c.logprobs[:n] == p.logprobs
                 assert c.versions[:n] == p.versions
                 assert torch.equal(c.routed_experts[: p.routed_experts.shape[0]], p.routed_experts)
-    trained = {r["task_id"] for r in rows}
-    assert trained & set(partial_by_task)
+    assert {r["task_id"] for r in rows} & set(partial_by_task)
 
 
 @pytest.mark.timeout(150)
-def test_reward_that_raises_marks_samples_failed(tmp_path, ray_env, captured):
+def test_hung_worker_misses_its_heartbeat(tmp_path, ray_env, captured):
+    """SIGSTOP: the worker neither answers nor dies; past heartbeat_timeout_s it is lost, its leases go back,
+    and the pool kills and replaces it."""
+    cfg = small_config(tmp_path, "--rollout.heartbeat_timeout_s=3", steps=30)
+    striker = Striker(tmp_path, signal.SIGSTOP)
+    try:
+        result = run_with_striker(cfg, striker)
+        print(f"SIGSTOP {striker.worker_id} pid {striker.pid}: {result['counters']} queue {result['queue']}")
+        assert result["counters"]["workers_lost"] >= 1 and result["queue"]["lost"] >= 1
+        check_trained_once(tmp_path, result, captured.groups, cfg.train.steps)
+        assert not any(g.worker_id == striker.worker_id for g in captured.groups[-8:])
+        wait_for(lambda: not pid_alive(striker.pid), 30, "the hung worker to be killed")
+    finally:
+        if striker.struck and pid_alive(striker.pid):
+            os.kill(striker.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(150)
+def test_reward_that_raises_and_generation_that_fails(tmp_path, ray_env, captured):
+    """A reward that raises fails that sample only (never a zero reward); a group whose generation fails is
+    retried up to rollout.max_attempts and then recorded as failed, never trained."""
     groups = captured.groups
-    cfg = small_config(tmp_path, f"--task.name={FLAKY}", steps=6)
+    cfg = small_config(tmp_path, f"--task.name={FLAKY}", "--rollout.max_attempts=2", steps=6)
     from moerl.orchestration.run import train
 
     result = train(cfg)
+    print(f"flaky: {result['counters']} queue {result['queue']} failed {result['failed_tasks']}")
     failed = [(g, i) for g in groups for i, r in enumerate(g.rewards) if r is None]
     assert result["counters"]["samples_failed"] == len(failed) > 0
     for g, i in failed:
@@ -277,11 +334,21 @@ def test_reward_that_raises_marks_samples_failed(tmp_path, ray_env, captured):
         assert g.reward_errors[i] == f"ValueError: flaky reward for {g.task_id}"
     for g in groups:  # the subset that raised is exactly the failed one: never a zero reward instead
         assert [r is None for r in g.rewards] == [FlakyTask.flaky(c.token_ids) for c in g.completions]
+        assert not FlakyTask.unplayable(g.task_id)
     rows = read_jsonl(tmp_path / "trajectories.jsonl")
     trained = {(r["task_id"], r["sample_index"]) for r in rows}
     assert not trained & {(g.task_id, i) for g, i in failed}, "a failed sample was trained"
     assert len(rows) == result["counters"]["samples_trained"] == GROUP * len(groups) - len(failed)
-    assert result["failed_tasks"] == []
+
+    # Failed generations: each unplayable group twice (max_attempts=2), then failed; nothing else failed.
+    assert result["failed_tasks"] and all(FlakyTask.unplayable(t) for t in result["failed_tasks"])
+    assert result["counters"]["groups_failed"] == len(result["failed_tasks"]) == result["queue"]["failed"]
+    assert all(FlakyTask.unplayable(t) for t, _, _ in captured.fails)
+    assert all("leaves no room to generate" in e for _, e, _ in captured.fails), captured.fails[0]
+    outcomes = Counter((t, o) for t, _, o in captured.fails)
+    for t in result["failed_tasks"]:
+        assert outcomes[(t, "retry")] == 1 and outcomes[(t, "failed")] == 1
+    assert not {r["task_id"] for r in rows} & set(result["failed_tasks"])
 
 
 @pytest.mark.timeout(150)
@@ -430,13 +497,16 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers):
+    from moerl.orchestration.rollout_worker import WorkerSpec
+
+    assert WorkerSpec.imds_interval_s == 5.0  # the spot notice is polled every 5 s unless a spec says otherwise
     make, exited, exits = in_process_workers
     imds = _IMDS()
     threading.Thread(target=imds.serve_forever, daemon=True, name="fake-imds").start()
     try:
         a = make("rollout-a", tiny_worker_spec(imds_url=imds.url))
         wait_for(lambda: imds.authorized_gets >= 2, 10, "the worker to poll IMDS (with an IMDSv2 token)")
-        assert not a.preempting.is_set()
+        assert imds.tokens_issued >= 2 and not a.preempting.is_set()
 
         task = group_task()
         out: dict = {}
@@ -485,8 +555,9 @@ def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers
 def test_sigterm_handler_on_worker_class(in_process_workers):
     """The constructor installs the SIGTERM handler (main thread); SIGTERM preempts instead of killing."""
     make, exited, exits = in_process_workers
+    before = signal.getsignal(signal.SIGTERM)
     w = make("rollout-s", tiny_worker_spec())
-    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    assert signal.getsignal(signal.SIGTERM) is not before, "no SIGTERM handler installed"
     os.kill(os.getpid(), signal.SIGTERM)
     wait_for(w.preempting.is_set, 5, "SIGTERM to preempt the worker")
     assert exited.wait(w.spec.grace_s + 5) and exits == [0]
@@ -501,9 +572,10 @@ class _FakePool:
         self.results: list = []  # (ref, GroupResult | None, Exception | None) for the next wait()
         self.target = len(ids)
         self.removed: list[str] = []
+        self.leaving: list[str] = []
 
     def ready_ids(self):
-        return list(self.inflight_count)
+        return [w for w in self.inflight_count if w not in self.leaving]
 
     def inflight(self, worker_id):
         return self.inflight_count[worker_id]
@@ -531,7 +603,7 @@ class _FakePool:
         return self.inflight_count.pop(worker_id, None) is not None
 
     def mark_leaving(self, worker_id):
-        pass
+        self.leaving.append(worker_id)
 
 
 def _controller(lease_timeout: float = 30.0, workers=("w0", "w1")):
@@ -595,7 +667,7 @@ def test_results_of_a_lost_worker_are_dropped_and_its_lease_requeued():
     assert ctl.state.counters["groups_done"] == 1
 
 
-def test_preempted_hand_back_and_stale_failures():
+def test_preempted_result_hands_back_partials_and_the_worker_takes_no_more():
     from moerl.orchestration.rollout_worker import GroupResult
     from moerl.rollout import Completion
 
@@ -606,4 +678,7 @@ def test_preempted_hand_back_and_stale_failures():
     pool.results = [(ref, GroupResult(tid, "w0", "preempted", partial), None)]
     ctl._collect(timeout=0)
     assert ctl.state.counters["preempted"] == 1 and queue.stats()["handed_back"] == 1
-    assert queue.pending_ids() == [tid] and queue._tasks[tid].partials == partial
+    assert queue.pending_ids() == [tid] and queue._tasks[tid].partials == partial  # not an attempt
+    assert queue._tasks[tid].attempts == 0 and pool.leaving == ["w0"]
+    ctl._lease_and_dispatch()  # the leaving worker gets nothing more; the task waits for another
+    assert ctl.inflight == {} and queue.pending_ids() == [tid]

@@ -177,6 +177,7 @@ def test_rollout_finds_the_head_and_jobs_restart_as_designed(manifests: list[dic
                                  {"event": "PodFailed", "action": "RestartTask"}] for t in rollout["spec"]["tasks"])
     for job in (trainer, rollout):
         assert "--disable-network-policy" in job["spec"]["plugins"]["svc"]
+        assert job["metadata"]["namespace"] == "moerl" == manifests[0]["metadata"]["namespace"]
 
 
 def test_dryrun_prints_yaml_and_submits_nothing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
