@@ -40,7 +40,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bucket", default="moerl-bench", help="created if missing")
     p.add_argument("--size-mb", type=float, default=200.0, help="trainer state size (weights + AdamW moments)")
     p.add_argument("--iters", type=int, default=3, help="repetitions per measurement (median)")
-    p.add_argument("--threads", type=int, default=1, help="DCP writer threads (files per rank)")
+    p.add_argument("--threads", type=int, default=4, help="DCP writer threads = files per rank (moerl's default: 4)")
     return p.parse_args(argv)
 
 

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 EP_KEY = re.compile(r"^(.+)@ep(\d+)of(\d+)$")
+_READ_BLOCK = 128 << 20
 _JSON_KEYS = ("json/optim_groups", "json/scheduler", "json/trainer")
 # Per trainer: the gloo group DCP's background upload thread uses for its collectives (never the training
 # group: two threads issuing collectives on one group interleave differently across ranks and hang), and
@@ -164,7 +165,12 @@ def _checkpoint_group(trainer) -> dist.ProcessGroup:
     return group
 
 
-def save_trainer_state(trainer, path: str, *, use_async: bool, thread_count: int = 1) -> Future | None:
+# DCP writes one file per writer thread and rank, uploaded in parallel: 4 halved save and load times of a
+# 200 MB state to S3 against 1 (moerl bench checkpoint; a single s3fs file uploads its parts one at a time).
+WRITER_THREADS = 4
+
+
+def save_trainer_state(trainer, path: str, *, use_async: bool, thread_count: int = WRITER_THREADS) -> Future | None:
     """Write this rank's state under `path` (local dir or s3://...); all trainer ranks call it together.
 
     use_async=True returns once the state is copied (staged) to CPU memory; the upload runs in a thread and
@@ -227,7 +233,9 @@ def _reader(path: str):
             items = sorted(plan.items, key=lambda r: (info[r.storage_index].relative_path, info[r.storage_index].offset))
             return super().read_data(dataclasses.replace(plan, items=items), planner)
 
-    return SafeReader(path)
+    # s3fs reads ahead 50 MiB past each miss; every ranged GET has a fixed cost (on moto, a copy of the whole
+    # object), so fewer, larger ones: a rank's file of a few hundred MB comes in two or three GETs.
+    return SafeReader(path, **({"default_block_size": _READ_BLOCK} if path.startswith("s3://") else {}))
 
 
 def read_metadata(path: str) -> dict[str, Any]:

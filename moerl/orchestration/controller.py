@@ -221,7 +221,7 @@ class Controller:
     def _graceful_stop(self) -> None:
         """Preempt every worker so in-flight groups come back as partials, then save and stop."""
         self.workers.preempt_all()
-        deadline = time.monotonic() + 60.0
+        deadline = time.monotonic() + 30.0
         while self.inflight and time.monotonic() < deadline:
             self._collect(timeout=0.2)
         if self.training is not None:  # let a running optimizer step finish: it is part of the state

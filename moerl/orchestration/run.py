@@ -134,8 +134,9 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     if resume and checkpointer.latest() is None:
         raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")
     stop = threading.Event()
+    previous_handler = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     log = RunLog(run_dir, resume=resume)
     progress = Progress(cfg.train.steps)
     t_start = time.monotonic()
@@ -179,6 +180,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
         return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(), "metrics": dict(last), "queue": queue.stats(),
                 "failed_tasks": [t.task_id for t in queue.failed]}
     finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         progress.close()
         log.close()
         try:
