@@ -152,7 +152,10 @@ class WorkerPool:
         if not inflight:
             time.sleep(timeout)
             return []
-        ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=timeout)
+        refs = list(inflight)
+        # Wake on the first result (not all of them), then take whatever else is already done.
+        first, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if first else []
         out = []
         for ref in ready:
             worker = self.workers.get(inflight[ref][0])
