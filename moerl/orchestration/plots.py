@@ -237,7 +237,7 @@ def _expert_load_figure(load: dict[str, Any] | None, source: str, run_name: str)
     cbar.ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
     cbar.set_label(f"fraction of routed tokens\n(white = even split, 1/{num_experts})")
     steps = f"step {first}" if first == last else f"steps {first}–{last}"
-    ax.set_title(f"Expert load, {source} — {run_name}, {steps}  (hottest expert {imbalance:.2f}x even)")
+    ax.set_title(f"Expert load, {source} — {run_name}\n{steps}, hottest expert {imbalance:.2f}x even", fontsize=10)
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     for axis, n, max_labels in ((ax.xaxis, num_experts, 32), (ax.yaxis, num_layers, 24)):
