@@ -9,6 +9,7 @@ for continuation elsewhere, and exits once they are handed back (at most `grace_
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -109,7 +110,7 @@ class RolloutWorker:
             if partial is not None and partial.finish_reason in ("stop", "length"):
                 futures.append(None)  # finished before the preemption: nothing left to generate
                 continue
-            params = SamplingParams(**{**self.spec.sampling.__dict__, "seed": sample_seed(self.spec.seed, task.task_id, i)})
+            params = dataclasses.replace(self.spec.sampling, seed=sample_seed(self.spec.seed, task.task_id, i))
             futures.append(self.engine.submit(task.prompt_token_ids, params, f"{task.task_id}/{i}/{time.monotonic_ns()}",
                                               prefix=partial))
         if self.preempting.is_set():  # preempted while submitting: abort these too (queued after the first abort)

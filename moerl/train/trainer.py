@@ -130,7 +130,7 @@ class PolicyTrainer:
         global_tokens = int(self._all_reduce(batch.mask_BT.sum().to(torch.float64)).item())
         logp_BT, _, counts_LE = self.token_logprobs(batch, replay=False)
         loss = -(logp_BT * batch.mask_BT).sum() / max(global_tokens, 1)
-        return self._apply(loss, {"loss/sft": float(loss) * self.world}, counts_LE, global_tokens)
+        return self._apply(loss, {"loss/sft": float(loss.detach()) * self.world}, counts_LE, global_tokens)
 
     def _apply(self, loss: torch.Tensor, metrics: dict, counts_LE: torch.Tensor, tokens: int) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -146,13 +146,13 @@ class PolicyTrainer:
         metrics["grad_norm"] = self._clip_grad_norm()
         self.optimizer.step()
         self.scheduler.step()
+        counts = self._all_reduce(counts_LE.clone())  # all ranks' tokens: for the bias and the load plots
         if self.expert_bias_rate > 0:
-            counts = self._all_reduce(counts_LE.clone())
             for block, layer_counts in zip(self.model.moe_blocks, counts):
                 block.gate.update_expert_bias(layer_counts, self.expert_bias_rate)
         self.steps_done += 1
         metrics.update({"lr": self.scheduler.get_last_lr()[0], "tokens": tokens})
-        metrics["expert_counts"] = self._all_reduce(counts_LE.clone()).tolist()
+        metrics["expert_counts"] = counts.tolist()
         return metrics
 
     def _clip_grad_norm(self) -> float:
@@ -183,6 +183,6 @@ class PolicyTrainer:
         rank = dist.get_rank(self.group) if self.group is not None else 0
         out = {}
         for name, t in self.model.state_dict().items():
-            if self._is_expert_param(name) or (rank == 0 and not name.endswith("expert_bias")) or name.endswith("expert_bias") and rank == 0:
+            if rank == 0 or self._is_expert_param(name):
                 out[name] = t.detach().to("cpu", copy=True)
         return out
