@@ -117,6 +117,7 @@ class TrainConfig:
     max_staleness: int = 1  # most policy versions a rollout may lag behind the learner
     mode: Literal["async", "sync"] = "async"  # async = rollout overlaps training; sync = alternate
     num_ranks: int = 1  # learner processes
+    data_parallel: Literal["fsdp", "replicate"] = "fsdp"  # across num_ranks: FSDP2-shard or replicate the weights
     grad_clip: float = 1.0  # max global gradient norm
     stale_policy: Literal["drop", "regenerate"] = "drop"  # what happens to groups over max_staleness
     sft_steps: int = 0  # supervised warm-start steps before RL (on the task's reference answers)
@@ -228,6 +229,11 @@ class MoerlConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def validate(self) -> None:
+        # the trainer's EP group is its whole group: experts are split over all ranks or none
+        require(self.ep.size in (1, self.train.num_ranks), "ep.size",
+                f"must be 1 or train.num_ranks ({self.train.num_ranks})")
 
     def checkpoint_dir(self) -> str:
         """`checkpoint.dir`, or `<run.dir>/checkpoints` when that is empty."""

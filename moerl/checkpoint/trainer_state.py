@@ -10,6 +10,10 @@ flat dict of tensors (so DCP never pickles an object of ours; non-tensor values 
     json/optim_groups, json/scheduler, json/trainer   hyper-parameters, LambdaLR state, steps_done
     rng/cpu@rank{r}of{W}, rng/cuda@rank{r}of{W}       each rank's generators
 
+Under FSDP2 the model and AdamW tensors are DTensors: DCP writes each rank's shard once under the tensor's
+global key and shape, so a checkpoint does not depend on how the trainer was sharded (replicated or FSDP,
+any rank count with the same EP size). Loading reads whole tensors and each rank keeps its shard.
+
 Loading checks the checkpoint's metadata (names, shapes, dtypes, EP size) against the trainer BEFORE
 changing anything, so an incompatible resume fails with a CheckpointError naming what differs.
 """
@@ -33,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from moerl.model.config import CheckpointError
 from moerl.model.moe import SparseMoEBlock
 from moerl.model.transformer import MoECausalLM
+from moerl.train.parallel import like
 
 log = logging.getLogger(__name__)
 # no_dist is deliberate here (one process, or a per-rank load); DCP warns on every such call, also from the
@@ -121,13 +126,16 @@ def trainer_state_dict(trainer) -> dict[str, torch.Tensor]:
 def load_trainer_state_dict(trainer, sd: dict[str, torch.Tensor]) -> None:
     """Apply a dict shaped like `trainer_state_dict`'s (already checked against the trainer)."""
     shards = expert_shards(trainer.model)
-    model_sd = {n: sd[f"model/{_key(n, shards)}"] for n in trainer.model.state_dict()}
+    live = trainer.model.state_dict()
+    # whole tensors in `sd`; an FSDP-sharded trainer takes its shard of each (so any rank count can resume)
+    model_sd = {n: like(t, sd[f"model/{_key(n, shards)}"]) for n, t in live.items()}
     trainer.model.load_state_dict(model_sd, strict=True)
     keys = _param_keys(trainer)
     state = {}
-    for i, (key, _) in enumerate(keys):
+    for i, (key, p) in enumerate(keys):
         prefix = f"optim/{key}/"
-        entry = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        entry = {k[len(prefix):]: (v if k.endswith("/step") else like(p, v)) for k, v in sd.items()
+                 if k.startswith(prefix)}
         if entry:
             state[i] = entry
     groups, i = [], 0

@@ -14,7 +14,7 @@ from torch import nn
 from moerl.ep.dispatcher import Dispatcher
 from moerl.model.config import MoEModelConfig
 from moerl.model.layers import Attention, DenseMLP, KVCacheLayer, RMSNorm, RotaryEmbedding
-from moerl.model.moe import ExpertsImpl, SparseMoEBlock
+from moerl.model.moe import ExpertsImpl, MoEOutput, SparseMoEBlock
 
 
 @dataclass
@@ -37,6 +37,20 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h_BTD: torch.Tensor, rope, cache: KVCacheLayer | None, attn_mask: torch.Tensor | None,
+                replay_TK: torch.Tensor | None, with_aux_loss: bool) -> tuple[torch.Tensor, MoEOutput | None]:
+        """The residual stream after this layer, and the MoE block's output (None for a dense layer).
+
+        A module call (not attribute calls from the model's loop) so per-layer hooks fire: FSDP2 gathers
+        a layer's parameters just before it runs and frees them just after."""
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), rope, cache, attn_mask)
+        x_BTD = self.post_attention_layernorm(h_BTD)
+        if not self.is_moe:
+            return h_BTD + self.mlp(x_BTD), None
+        B, T, _ = x_BTD.shape
+        moe = self.mlp(x_BTD.reshape(B * T, -1), replay_TK, with_aux_loss)
+        return h_BTD + moe.out_TD.view_as(h_BTD), moe
 
 
 class DecoderBody(nn.Module):
@@ -105,20 +119,15 @@ class MoECausalLM(nn.Module):
         routed, aux_losses, counts = [], [], []
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None
-            h_BTD = h_BTD + layer.self_attn(layer.input_layernorm(h_BTD), rope, cache, attn_mask)
-            x_BTD = layer.post_attention_layernorm(h_BTD)
-            if layer.is_moe:
-                replay_TK = None
-                if routed_experts_BTLK is not None:
-                    replay_TK = routed_experts_BTLK[:, :, len(routed)].reshape(B * T, -1)
-                moe = layer.mlp(x_BTD.reshape(B * T, -1), replay_TK, with_aux_loss)
-                h_BTD = h_BTD + moe.out_TD.view_as(h_BTD)
+            replay_TK = None
+            if layer.is_moe and routed_experts_BTLK is not None:
+                replay_TK = routed_experts_BTLK[:, :, len(routed)].reshape(B * T, -1)
+            h_BTD, moe = layer(h_BTD, rope, cache, attn_mask, replay_TK, with_aux_loss)
+            if moe is not None:
                 routed.append(moe.topk_idx_TK.view(B, T, -1))
                 counts.append(moe.counts_E)
                 if moe.aux_loss is not None:
                     aux_losses.append(moe.aux_loss)
-            else:
-                h_BTD = h_BTD + layer.mlp(x_BTD)
         if last_logits_only:
             h_BTD = h_BTD[:, -1:]
         logits_BTV = self.lm_head(self.model.norm(h_BTD))

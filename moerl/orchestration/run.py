@@ -70,7 +70,7 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           aux_loss_coef=cfg.model.router_aux_loss_coef,
                           expert_bias_rate=cfg.model.expert_bias_update_rate,
                           capacity_factor=cfg.model.capacity_factor, seed=cfg.run.seed, threads=t.threads,
-                          collective_timeout_s=t.collective_timeout_s)
+                          data_parallel=t.data_parallel, collective_timeout_s=t.collective_timeout_s)
     return worker, trainer
 
 

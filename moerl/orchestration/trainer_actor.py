@@ -31,6 +31,7 @@ class TrainerSpec:
     capacity_factor: float
     seed: int
     threads: int = 1
+    data_parallel: str = "fsdp"
     collective_timeout_s: float = 300.0
 
 
@@ -54,7 +55,8 @@ class TrainerRank:
                                 capacity_factor=spec.capacity_factor, seed=spec.seed)
         self.trainer = PolicyTrainer(model, spec.optim, spec.loss, group=group if world > 1 else None,
                                      expert_parallel=spec.ep_size > 1, routing_replay=spec.routing_replay,
-                                     aux_loss_coef=spec.aux_loss_coef, expert_bias_rate=spec.expert_bias_rate)
+                                     aux_loss_coef=spec.aux_loss_coef, expert_bias_rate=spec.expert_bias_rate,
+                                     data_parallel=spec.data_parallel)
 
     def set_lr(self, lr: float) -> None:
         for group in self.trainer.optimizer.param_groups:

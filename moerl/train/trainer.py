@@ -5,20 +5,25 @@ Shape legend: B sequences on this rank, T positions (right-padded), V vocabulary
 Parallelism: the trainer group is one torch.distributed group (gloo on CPU, NCCL on GPU) of `world` ranks;
 data parallel over all ranks, and expert parallel over all of them when `ep_size == world` (each rank holds
 E/world experts; the dispatcher's combine-backward already brings every rank's gradient to the expert's
-owner, so expert gradients are not all-reduced, only the replicated parameters are). Gradients are summed
-with losses normalised by the global token count, so N ranks step exactly like one rank on the whole batch.
+owner, so expert gradients are never reduced). The other parameters are either sharded with FSDP2
+(`data_parallel="fsdp"`, the default: gradients reduce-scattered during backward, parameters gathered per
+layer) or replicated (`"replicate"`: one flat gradient all-reduce after backward, DDP-style). Gradients are
+summed with losses normalised by the global token count, so N ranks step exactly like one rank on the
+whole batch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from moerl.model.transformer import MoECausalLM
 from moerl.train.loss import LossConfig, policy_loss
+from moerl.train.parallel import full_tensor, local, shard_model
 
 
 @dataclass
@@ -49,7 +54,15 @@ class Batch:
     behaviour_BT: torch.Tensor
     advantages_B: torch.Tensor
     routed_BTLK: torch.Tensor | None = None
+    lengths_B: torch.Tensor | None = None  # positions per sequence (the rest is padding); None = all
     meta: dict = field(default_factory=dict)
+
+    def valid_BT(self) -> torch.Tensor:
+        """True at real (not padding) positions."""
+        B, T = self.input_ids_BT.shape
+        if self.lengths_B is None:
+            return torch.ones(B, T, dtype=torch.bool, device=self.input_ids_BT.device)
+        return torch.arange(T, device=self.lengths_B.device)[None] < self.lengths_B[:, None]
 
 
 def collate(samples: list[Sample], num_moe_layers: int, top_k: int, device: torch.device | str) -> Batch:
@@ -76,13 +89,16 @@ def collate(samples: list[Sample], num_moe_layers: int, top_k: int, device: torc
             routed[b, :n] = s.routed_experts.long()
     return Batch(ids.to(device), targets.to(device), mask.to(device), behaviour.to(device),
                  torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
-                 routed.to(device) if have_routing else None)
+                 routed.to(device) if have_routing else None, torch.tensor(lengths, device=device))
 
 
 class PolicyTrainer:
     def __init__(self, model: MoECausalLM, optim: OptimConfig, loss: LossConfig, *,
                  group: dist.ProcessGroup | None = None, expert_parallel: bool = False,
-                 routing_replay: bool = True, aux_loss_coef: float = 0.0, expert_bias_rate: float = 0.0) -> None:
+                 routing_replay: bool = True, aux_loss_coef: float = 0.0, expert_bias_rate: float = 0.0,
+                 data_parallel: Literal["fsdp", "replicate"] = "fsdp") -> None:
+        if data_parallel not in ("fsdp", "replicate"):
+            raise ValueError(f"data_parallel must be 'fsdp' or 'replicate', got {data_parallel!r}")
         self.model, self.optim_cfg, self.loss_cfg = model, optim, loss
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
@@ -90,6 +106,9 @@ class PolicyTrainer:
         self.routing_replay, self.aux_loss_coef, self.expert_bias_rate = routing_replay, aux_loss_coef, expert_bias_rate
         if expert_bias_rate > 0:
             model.enable_expert_bias()
+        self.fsdp = data_parallel == "fsdp" and self.world > 1
+        if self.fsdp:  # before the optimizer: it must hold the sharded parameters
+            shard_model(model, group)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -109,7 +128,13 @@ class PolicyTrainer:
         out = self.model.forward_full(batch.input_ids_BT, routed_experts_BTLK=batch.routed_BTLK if replay else None,
                                       with_aux_loss=self.aux_loss_coef > 0)
         logp_BTV = torch.log_softmax(out.logits_BTV.float(), dim=-1)
-        return logp_BTV.gather(-1, batch.target_ids_BT[..., None]).squeeze(-1), out.aux_loss, out.expert_counts_LE
+        # tokens per expert over the real positions only: padding (which depends on how the batch is split
+        # over ranks) must not move the expert bias or the load plots
+        routed_NLK = out.routed_experts_BTLK[batch.valid_BT()]
+        E = self.model.config.num_experts
+        counts_LE = torch.stack([torch.bincount(routed_NLK[:, l].reshape(-1), minlength=E)
+                                 for l in range(routed_NLK.shape[1])]) if routed_NLK.shape[1] else out.expert_counts_LE
+        return logp_BTV.gather(-1, batch.target_ids_BT[..., None]).squeeze(-1), out.aux_loss, counts_LE
 
     def rl_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the policy loss; every rank calls it with its share of the batch."""
@@ -121,7 +146,7 @@ class PolicyTrainer:
                                     batch.mask_BT, self.loss_cfg, global_tokens=max(global_tokens, 1))
         if aux is not None:
             loss = loss + self.aux_loss_coef * aux / self.world
-            metrics["loss/aux"] = float(aux)
+            metrics["loss/aux"] = float(aux.detach())
         return self._apply(loss, metrics, counts_LE, global_tokens)
 
     def sft_step(self, batch: Batch) -> dict[str, float]:
@@ -136,7 +161,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         replicated = [p for n, p in self.model.named_parameters() if p.grad is not None and not self._is_expert_param(n)]
-        if self.world > 1 and replicated:  # one flat all-reduce rather than one per parameter
+        if self.world > 1 and replicated and not self.fsdp:  # one flat all-reduce rather than one per parameter
             flat = torch.cat([p.grad.reshape(-1) for p in replicated])
             self._all_reduce(flat)
             offset = 0
@@ -157,15 +182,16 @@ class PolicyTrainer:
 
     def _clip_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        expert_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        sharded_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for n, p in self.model.named_parameters():
             if p.grad is not None:
-                s = p.grad.detach().double().pow(2).sum()
-                if self._is_expert_param(n):
-                    expert_sq += s
+                s = local(p.grad).detach().double().pow(2).sum()
+                if self._is_expert_param(n) or self.fsdp:
+                    sharded_sq += s
                 else:
                     sq += s
-        total = sq + self._all_reduce(expert_sq)  # expert shards are disjoint across ranks
+        # expert and FSDP shards are disjoint across ranks (replicated experts are FSDP shards too)
+        total = sq + self._all_reduce(sharded_sq)
         norm = math.sqrt(float(total))
         if self.optim_cfg.grad_clip > 0 and norm > self.optim_cfg.grad_clip:
             scale = self.optim_cfg.grad_clip / (norm + 1e-6)
@@ -178,11 +204,14 @@ class PolicyTrainer:
         """This rank's share of the policy weights for the rollout workers (CPU tensors).
 
         Without EP only rank 0's copy is needed; with EP every rank sends its expert slices (the worker
-        places them by the rank's expert offset) and rank 0 also sends the replicated parameters.
+        places them by the rank's expert offset) and rank 0 also sends the other parameters. FSDP shards
+        are gathered first, one tensor at a time, so a rank never holds more than one whole extra tensor
+        (every rank takes part: the gather is a collective).
         """
         rank = dist.get_rank(self.group) if self.group is not None else 0
         out = {}
         for name, t in self.model.state_dict().items():
+            t = full_tensor(t.detach())
             if rank == 0 or self._is_expert_param(name):
-                out[name] = t.detach().to("cpu", copy=True)
+                out[name] = t.to("cpu", copy=True)
         return out

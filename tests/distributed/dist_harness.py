@@ -38,7 +38,11 @@ def _bootstrap(rank: int, world_size: int, port: int, report_dir: str, fn, args)
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=COLLECTIVE_TIMEOUT,
         )
+        # gloo connects its full mesh without a final handshake: a rank whose fn uses no collective could
+        # exit while a peer is still connecting to it ("Connection closed by peer"). Barriers on both sides.
+        dist.barrier()
         fn(rank, world_size, *args)
+        dist.barrier()
         text = "ok"
     except BaseException:
         text = traceback.format_exc()

@@ -63,8 +63,12 @@ def _export(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model.safetensors"))
 
 
-def test_sigkill_anywhere_then_resume_is_bitwise_equal(tmp_path):
-    steps = ["--train.steps=6", "--run.deterministic=true"]
+SHARDED = ["--train.num_ranks=2", "--ep.size=2", "--train.data_parallel=fsdp"]  # FSDP2 + expert parallel
+
+
+@pytest.mark.parametrize("layout", [[], SHARDED], ids=["one-rank", "two-ranks-fsdp-ep"])
+def test_sigkill_anywhere_then_resume_is_bitwise_equal(tmp_path, layout):
+    steps = ["--train.steps=6", "--run.deterministic=true", *layout]
     clean = _start(tmp_path / "clean", *steps)
     _finish(clean)
     expected = _export(tmp_path / "clean")

@@ -19,6 +19,7 @@ from moerl.checkpoint import (
 )
 from moerl.model import build_model, tiny_config
 from moerl.train.loss import LossConfig
+from moerl.train.parallel import full_tensor
 from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample, collate
 
 
@@ -40,8 +41,9 @@ def train_step(trainer: PolicyTrainer, seed: int, rank: int = 0) -> dict:
 
 
 def snapshot(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
-    """Every tensor of the trainer's state (model, AdamW, scheduler/groups/steps as JSON bytes, RNG), cloned."""
-    return {k: v.detach().clone() for k, v in trainer_state_dict(trainer).items()}
+    """Every tensor of the trainer's state (model, AdamW, scheduler/groups/steps as JSON bytes, RNG), cloned;
+    FSDP shards gathered whole (a collective: every rank calls it)."""
+    return {k: full_tensor(v.detach()).clone() for k, v in trainer_state_dict(trainer).items()}
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
