@@ -72,15 +72,20 @@ class Controller:
             if self.checkpointer is not None:
                 self.checkpointer.poll()
             self._lease_and_dispatch()
-            self._collect(timeout=self.cfg.poll_s)
+            self._try_start_training()
+            self._collect(timeout=self.cfg.poll_s)  # wakes on a finished group or the end of the step
             self._check_workers()
-            if self.training is None:
-                batch = self._take_batch()
-                if batch is not None:
-                    self._start_training(batch)
+            self._lease_and_dispatch()  # refill the workers' free slots before the slower bookkeeping below
             if self.training is not None and self.trainer.done(self.training[0]):
                 self._finish_training()
+            self._try_start_training()
         return self.state
+
+    def _try_start_training(self) -> None:
+        if self.training is None and self.state.step < self.cfg.steps:
+            batch = self._take_batch()
+            if batch is not None:
+                self._start_training(batch)
 
     def _gate_open(self) -> bool:
         s, c = self.state, self.cfg
@@ -112,7 +117,8 @@ class Controller:
         self.state.leased_total += 1
 
     def _collect(self, timeout: float) -> None:
-        for ref, result, error in self.workers.wait(self.inflight, timeout):
+        wake = self.trainer.pending(self.training[0]) if self.training is not None else []
+        for ref, result, error in self.workers.wait(self.inflight, timeout, also=wake):
             entry = self.inflight.pop(ref, None)
             if entry is None:  # dropped already: its worker was declared lost earlier in this batch
                 continue
@@ -185,8 +191,16 @@ class Controller:
         metrics = self.trainer.result(refs, self.state.step)
         self.state.version += 1
         self.state.step += 1
+        if self.cfg.mode == "async":  # the new version opens the staleness gate: keep the workers busy first
+            self._lease_and_dispatch()
+        publishing = self.trainer.start_publish()
+        if self.cfg.mode == "async" and not self._checkpoint_due():
+            # The next step queues on the trainer right behind the publish: the trainer does not idle while
+            # this process logs, leases and collects. (Not before a checkpoint: it saves this step's state.)
+            self._try_start_training()
         # Sync mode waits until every worker holds the new weights before it leases the next batch.
-        self.workers.broadcast_weights(self.trainer.publish(), self.state.version, wait=self.cfg.mode == "sync")
+        self.workers.broadcast_weights(self.trainer.published(publishing), self.state.version,
+                                       wait=self.cfg.mode == "sync")
         self.state.counters["samples_trained"] += len(samples)
         metrics.update(stats)
         metrics["time/train_s"] = time.monotonic() - t0
@@ -195,12 +209,16 @@ class Controller:
         metrics.update({f"count/{k}": v for k, v in self.state.counters.items()})
         metrics["workers/alive"], metrics["workers/target"] = self.workers.alive(), self.workers.target
         self.on_step(self.state.step, metrics, rows, batch)
-        if self.checkpointer is not None and self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
+        if self._checkpoint_due():
             self.save_checkpoint()
         if self.checkpointer is not None and self.state.step == self.cfg.steps:
             self.checkpointer.wait()
 
     # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_due(self) -> bool:
+        return (self.checkpointer is not None and self.checkpoint_every > 0
+                and self.state.step % self.checkpoint_every == 0)
+
     def state_dict(self) -> dict:
         """Everything the controller owns, in-flight work included (leases become pending on load)."""
         s = self.state

@@ -77,6 +77,11 @@ class TrainerGroup:
         return self.result(self.start_rl_step(samples), "rl")
 
     @staticmethod
+    def pending(refs: list) -> list:
+        """The ranks' step refs not finished yet."""
+        return ray.wait(refs, num_returns=len(refs), timeout=0)[1]
+
+    @staticmethod
     def done(refs: list) -> bool:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         return len(ready) == len(refs)
@@ -90,9 +95,16 @@ class TrainerGroup:
                                "(straggler or hang; the others wait in a collective)")
         return ray.get(refs)[0]
 
+    def start_publish(self, bucket_bytes: int = 32 << 20) -> list:
+        """Every rank puts its weights in the object store (calls queue on the ranks in order)."""
+        return [r.publish.remote(bucket_bytes) for r in self.ranks]
+
+    def published(self, refs: list) -> list:
+        """The bucket refs of a `start_publish`, all ranks' together."""
+        return [ref for rank_refs in ray.get(refs, timeout=self.timeout_s) for ref in rank_refs]
+
     def publish(self, bucket_bytes: int = 32 << 20) -> list:
-        shards = ray.get([r.publish.remote(bucket_bytes) for r in self.ranks], timeout=self.timeout_s)
-        return [ref for rank_refs in shards for ref in rank_refs]
+        return self.published(self.start_publish(bucket_bytes))
 
 
 @dataclass
@@ -147,15 +159,16 @@ class WorkerPool:
         w.inflight += 1
         return w.handle.run_group.remote(task)
 
-    def wait(self, inflight: dict, timeout: float) -> list[tuple[object, GroupResult | None, Exception | None]]:
-        """Results that arrived within `timeout`; inflight maps each ref to (worker_id, task_id)."""
-        if not inflight:
+    def wait(self, inflight: dict, timeout: float, also: list = ()) -> list[tuple[object, GroupResult | None, Exception | None]]:
+        """Results that arrived within `timeout`; inflight maps each ref to (worker_id, task_id). Returns
+        early, maybe with nothing, when one of the refs in `also` (a training step) is done."""
+        refs = list(inflight)
+        if not refs and not also:
             time.sleep(timeout)
             return []
-        refs = list(inflight)
         # Wake on the first result (not all of them), then take whatever else is already done.
-        first, _ = ray.wait(refs, num_returns=1, timeout=timeout)
-        ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if first else []
+        first, _ = ray.wait(refs + list(also), num_returns=1, timeout=timeout)
+        ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if first and refs else []
         out = []
         for ref in ready:
             worker = self.workers.get(inflight[ref][0])

@@ -7,11 +7,13 @@ from typing import Literal
 
 import torch
 
+from moerl.wire import PackedTensorFields
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass
-class Completion:
+class Completion(PackedTensorFields):
     """One request's result; also the prefix that continues an aborted request on another engine.
 
     routed_experts: int16 [prompt_len + len(token_ids) - 1, moe_layers, top_k]: the experts each MoE layer
@@ -27,6 +29,8 @@ class Completion:
     finish_reason: FinishReason | None = None
     error: str | None = None  # set when finish_reason == "error": why this request was refused
     seed: int | None = None  # the sampling seed used: continuing with it reproduces the same noise
+
+    _packed_fields = ("routed_experts",)  # pickled as raw bytes: see moerl/wire.py
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from moerl.model.transformer import MoECausalLM
 from moerl.train.loss import LossConfig, policy_loss
 from moerl.train.parallel import full_tensor, local, shard_model
+from moerl.wire import PackedTensorFields
 
 
 @dataclass
@@ -36,7 +37,7 @@ class OptimConfig:
 
 
 @dataclass
-class Sample:
+class Sample(PackedTensorFields):
     """One trained sample as the trainer needs it (built by the controller from a Completion)."""
 
     prompt_ids: list[int]
@@ -44,6 +45,8 @@ class Sample:
     behaviour_logprobs: list[float]
     advantage: float
     routed_experts: torch.Tensor | None = None  # int16 [len(prompt) + len(completion) - 1, L, K]
+
+    _packed_fields = ("routed_experts",)  # pickled as raw bytes: see moerl/wire.py
 
 
 @dataclass

@@ -251,7 +251,11 @@ def test_sigkill_worker_mid_run(tmp_path, ray_env, captured):
     first = {"rollout-0", "rollout-1"}
     new = [(v, oldest) for w, v, oldest in captured.finished.values() if w not in first]
     assert new, "the replacement finished no group"
-    assert all(v - oldest <= cfg.train.max_staleness for v, oldest in new), new
+    # Its oldest tokens are at least as new as the weights the killed worker held when it died: it was
+    # brought up to date before it took work. (Not "within max_staleness when first seen": a first group on a
+    # cold worker may take several trainer steps and is then dropped as stale, which is the gate working.)
+    killed_at = striker.struck[0]["version"]
+    assert all(oldest >= killed_at for _, oldest in new), (killed_at, new)
 
 
 @pytest.mark.timeout(150)
@@ -584,7 +588,7 @@ class _FakePool:
         self.inflight_count[worker_id] += 1
         return object()
 
-    def wait(self, inflight, timeout):
+    def wait(self, inflight, timeout, also=()):
         out, self.results = [r for r in self.results if r[0] in inflight], []
         for ref, _, _ in out:
             worker = inflight[ref][0]
