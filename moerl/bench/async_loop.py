@@ -2,6 +2,7 @@
 
     moerl bench async                       # configs/demo.toml, 1 rollout worker + 1 trainer rank, 1 CPU each
     moerl bench async --steps 150 --kill-every 30
+    moerl bench async --repeats 3           # sync/async alternated 3 times, medians reported
 
 Each run is a full `moerl train` (local Ray). Throughput = samples trained / wall time of the RL phase (from the
 first trainer step's start, so Ray start-up and the warm start are excluded). Reward = mean over the last 20% of
@@ -33,6 +34,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="rollout workers (1 CPU each)")
     p.add_argument("--out", default="", help="keep the run directories here")
     p.add_argument("--preset", default="", help="model preset override (e.g. small); default: the config's")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per mode, alternating sync and async; the median is reported (a shared or "
+                        "throttled machine drifts by 10-20%% between runs)")
     return p.parse_args(argv)
 
 
@@ -87,12 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="moerl-bench-async-"))
     print(f"bench async: {args.config}, {args.steps} steps, {args.workers} rollout worker(s) + 1 trainer rank, "
           f"1 CPU each; runs in {base}")
-    sync = _run(args, "sync", base / "sync")
-    print(f"sync : {sync['samples_per_s']:.1f} samples/s, final reward {sync['reward']:.3f}")
-    asyn = _run(args, "async", base / "async")
-    print(f"async: {asyn['samples_per_s']:.1f} samples/s, final reward {asyn['reward']:.3f}")
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    for i in range(max(1, args.repeats)):
+        for mode in ("sync", "async"):
+            r = _run(args, mode, base / f"{mode}-{i}")
+            runs[mode].append(r)
+            print(f"{mode:5}: {r['samples_per_s']:.1f} samples/s, final reward {r['reward']:.3f}")
+    sync, asyn = (_median(runs[m]) for m in ("sync", "async"))
+    for mode, r in (("sync", sync), ("async", asyn)):  # reward: the mean over the repeats, not one run's
+        r["reward"] = sum(x["reward"] for x in runs[mode]) / len(runs[mode])
+    if args.repeats > 1:
+        print("medians of " + ", ".join(f"{m} {[round(r['samples_per_s']) for r in runs[m]]}" for m in runs))
     rows = [Row("throughput", asyn["samples_per_s"], sync["samples_per_s"], "samples/s"),
-            Row("final reward (last 20% of steps)", asyn["reward"], sync["reward"], "")]
+            Row("final reward (last 20% of steps, mean of runs)", asyn["reward"], sync["reward"], "")]
     killed = None
     if args.kill_every > 0:
         killed = _run(args, "async", base / "async-kill", args.kill_every)
@@ -101,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(Row("async with kills vs clean async", killed["samples_per_s"], asyn["samples_per_s"],
                         "samples/s"))
     print(format_table("\nasync vs sync RL (peer column: sync mode; last row: clean async)", rows, peer_name="sync"))
+    every = runs["sync"] + runs["async"] + ([killed] if killed else [])
     for name, r in (("sync", sync), ("async", asyn), ("async+kills", killed)):
         if r is not None:
             print(f"{name}: duplicated samples {r['duplicates']}, failed tasks {r['failed_tasks']}, "
                   f"queue {r['queue']}")
-    return 0 if all(r is None or r["duplicates"] == 0 for r in (sync, asyn, killed)) else 1
+    return 0 if all(r["duplicates"] == 0 for r in every) else 1
+
+
+def _median(results: list[dict]) -> dict:
+    """The run with the median throughput (its reward and counters come with it)."""
+    return sorted(results, key=lambda r: r["samples_per_s"])[len(results) // 2]
 
 
 if __name__ == "__main__":

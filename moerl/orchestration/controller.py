@@ -75,7 +75,6 @@ class Controller:
             self._try_start_training()
             self._collect(timeout=self.cfg.poll_s)  # wakes on a finished group or the end of the step
             self._check_workers()
-            self._lease_and_dispatch()  # refill the workers' free slots before the slower bookkeeping below
             if self.training is not None and self.trainer.done(self.training[0]):
                 self._finish_training()
             self._try_start_training()
@@ -191,8 +190,6 @@ class Controller:
         metrics = self.trainer.result(refs, self.state.step)
         self.state.version += 1
         self.state.step += 1
-        if self.cfg.mode == "async":  # the new version opens the staleness gate: keep the workers busy first
-            self._lease_and_dispatch()
         publishing = self.trainer.start_publish()
         if self.cfg.mode == "async" and not self._checkpoint_due():
             # The next step queues on the trainer right behind the publish: the trainer does not idle while
