@@ -94,6 +94,9 @@ def _import(dotted: str) -> type:
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
         raise TaskError(f"cannot load task {dotted!r}: {exc}") from exc
+    except Exception as exc:  # the module itself raised while importing (a bug or missing data in user code)
+        raise TaskError(f"cannot load task {dotted!r}: importing {module_name!r} raised "
+                        f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, type):
         raise TaskError(f"cannot load task {dotted!r}: {obj!r} is not a class")
     return obj

@@ -315,3 +315,13 @@ def test_hf_tokenizer_via_transformers(tmp_path: Path) -> None:
     assert task.prompt_at(0).prompt_token_ids[0] == 1
     with pytest.raises(TaskError, match="not found"):
         HFTokenizer.from_pretrained(tmp_path / "nope")
+
+
+def test_a_task_module_that_raises_on_import_is_named(tmp_path, monkeypatch):
+    (tmp_path / "broken_task_mod.py").write_text("raise RuntimeError('dataset file missing')\n")
+    (tmp_path / "syntax_task_mod.py").write_text("def (:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError, match=r"importing 'broken_task_mod' raised RuntimeError: dataset file missing"):
+        load_task("broken_task_mod:Task", {}, seed=0)
+    with pytest.raises(TaskError, match=r"cannot load task 'syntax_task_mod:Task': .*SyntaxError"):
+        load_task("syntax_task_mod:Task", {}, seed=0)
