@@ -98,12 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode].append(r)
             print(f"{mode:5}: {r['samples_per_s']:.1f} samples/s, final reward {r['reward']:.3f}")
     sync, asyn = (_median(runs[m]) for m in ("sync", "async"))
-    for mode, r in (("sync", sync), ("async", asyn)):  # reward: the mean over the repeats, not one run's
-        r["reward"] = sum(x["reward"] for x in runs[mode]) / len(runs[mode])
+    reward = {m: sum(r["reward"] for r in rs) / len(rs) for m, rs in runs.items()}  # mean over the repeats
     if args.repeats > 1:
         print("medians of " + ", ".join(f"{m} {[round(r['samples_per_s']) for r in runs[m]]}" for m in runs))
     rows = [Row("throughput", asyn["samples_per_s"], sync["samples_per_s"], "samples/s"),
-            Row("final reward (last 20% of steps, mean of runs)", asyn["reward"], sync["reward"], "")]
+            Row("final reward (last 20% of steps, mean of runs)", reward["async"], reward["sync"], "")]
     killed = None
     if args.kill_every > 0:
         killed = _run(args, "async", base / "async-kill", args.kill_every)

@@ -98,11 +98,9 @@ def test_every_layout_steps_like_one_process(world, tmp_path):
 
 # ---------------------------------------------------------------- checkpoints do not depend on the layout
 def _weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
-    from moerl.checkpoint import trainer_state_dict
-    from moerl.train.parallel import full_tensor
+    from tests.unit.test_checkpoint_trainer import snapshot
 
-    return {k: full_tensor(v.detach()).clone() for k, v in trainer_state_dict(trainer).items()
-            if k.startswith(("model/", "optim/"))}
+    return {k: v for k, v in snapshot(trainer).items() if k.startswith(("model/", "optim/"))}
 
 
 def checkpoint_worker(rank: int, world: int, path: str, out_dir: str) -> None:
