@@ -1,6 +1,6 @@
-"""`moerl` command line: train, bench, demo. Subcommands import their parts lazily.
+"""`moerl` command line. Subcommands import their parts lazily.
 
-    moerl demo                              # build the tiny demo MoE and generate (CPU)
+    moerl train configs/demo.toml [--resume] [--section.key=value ...]   # the RL job (`make demo` runs this)
     moerl config configs/demo.toml --train.steps=20   # print the resolved config
     moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
     moerl bench dispatch [--help]
@@ -38,12 +38,6 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
-def _demo(argv: list[str]) -> int:
-    from moerl.demo import main as demo_main
-
-    return demo_main(argv) or 0
-
-
 def _launch(argv: list[str]) -> int:
     from moerl.launch.cli import main as launch_main
 
@@ -74,12 +68,12 @@ def _export(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from moerl.orchestration.run import main as train_main
+    from moerl.run import main as train_main
 
     return train_main(argv)
 
 
-COMMANDS = {"bench": _bench, "config": _config, "demo": _demo, "export": _export, "launch": _launch, "train": _train}
+COMMANDS = {"bench": _bench, "config": _config, "export": _export, "launch": _launch, "train": _train}
 
 
 def main(argv: list[str] | None = None) -> int:

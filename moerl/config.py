@@ -7,7 +7,9 @@ any nested dataclass schema. Precedence: field defaults < TOML file < overrides.
 types and failed `validate()` checks raise `ConfigError` naming the dotted key. On the command line
 an override value is parsed as a TOML literal (`20`, `3.5`, `true`, `[1, 2]`, `"x"`), else taken as a
 plain string; `none`/`null` sets an Optional field to None (TOML has no null: `dump_toml` omits None).
-To add a field: give it a default and a comment; put its checks in the section's `validate()`.
+To add a field: give it a default and a comment; put its checks in the section's `validate()`. To move a
+key, list its old and new dotted names in `MOVED_KEYS`: the old one then fails with an error naming the new.
+`ConfigError` and `require` live in the torch-free `moerl.checks` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -24,26 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar, Union, get_args, get_origin
 
+from moerl.checks import CheckFailed, ConfigError, require
+from moerl.train.config import LossConfig, OptimConfig
+
 T = TypeVar("T")
 COMMAND_LINE = "the command line"
 
-
-class ConfigError(ValueError):
-    """A config that cannot be loaded: bad file, unknown key, wrong type or a failed check."""
-
-
-class CheckFailed(ConfigError):
-    """Raised by `require` inside `validate()`; the loader prefixes the key with its section."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"config key {key!r} {message}")
-        self.key, self.message = key, message
-
-
-def require(condition: bool, key: str, message: str) -> None:
-    """A check for `validate()`: `key` is the field's name relative to the section being validated."""
-    if not condition:
-        raise CheckFailed(key, message)
+# Keys that have moved: old dotted key -> new dotted key. A file or override that still uses the old key gets a
+# ConfigError naming the new one (before the generic unknown-key error).
+MOVED_KEYS: dict[str, str] = {
+    "train.lr": "train.optim.lr",
+    "train.grad_clip": "train.optim.grad_clip",
+    "train.clip_eps_low": "train.loss.clip_eps_low",
+    "train.clip_eps_high": "train.loss.clip_eps_high",
+    "train.is_correction": "train.loss.is_correction",
+    "train.is_cap": "train.loss.is_cap",
+    "train.kl_coef": "train.loss.kl_coef",
+    "train.normalize_adv_std": "train.loss.normalize_adv_std",
+}
 
 
 # ----------------------------------------------------------------------------------------- schema
@@ -112,13 +112,11 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     steps: int = 50  # optimizer steps in the run
-    lr: float = 1e-4  # learning rate
     batch_groups: int = 8  # prompt groups consumed per optimizer step
     max_staleness: int = 1  # most policy versions a rollout may lag behind the learner
     mode: Literal["async", "sync"] = "async"  # async = rollout overlaps training; sync = alternate
     num_ranks: int = 1  # learner processes
     data_parallel: Literal["fsdp", "replicate"] = "fsdp"  # across num_ranks: FSDP2-shard or replicate the weights
-    grad_clip: float = 1.0  # max global gradient norm
     stale_policy: Literal["drop", "regenerate"] = "drop"  # what happens to groups over max_staleness
     sft_steps: int = 0  # supervised warm-start steps before RL (on the task's reference answers)
     sft_batch: int = 32  # examples per warm-start step
@@ -127,12 +125,8 @@ class TrainConfig:
     gpus_per_rank: float = 0.0
     threads: int = 1  # torch threads per trainer rank
     collective_timeout_s: float = 300.0  # a rank silent this long in a step is named as the straggler
-    clip_eps_low: float = 0.2  # PPO clip below 1
-    clip_eps_high: float = 0.28  # PPO clip above 1 (asymmetric, DAPO-style)
-    is_correction: Literal["tis", "mask", "none"] = "tis"  # importance sampling vs the rollout log-probs
-    is_cap: float = 2.0  # TIS truncation (and the mask's upper bound)
-    kl_coef: float = 0.0  # KL to the reference policy (k3); 0 = off
-    normalize_adv_std: bool = True  # GRPO: divide advantages by the group's std
+    loss: LossConfig = field(default_factory=LossConfig)  # the policy loss (moerl/train/loss.py)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule
 
     def validate(self) -> None:
         require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
@@ -234,6 +228,9 @@ class MoerlConfig:
         # the trainer's EP group is its whole group: experts are split over all ranks or none
         require(self.ep.size in (1, self.train.num_ranks), "ep.size",
                 f"must be 1 or train.num_ranks ({self.train.num_ranks})")
+        # The loss supports a k3 KL term, but the trainer keeps no frozen reference policy to compute it against.
+        require(self.train.loss.kl_coef == 0, "train.loss.kl_coef",
+                "must be 0: the trainer keeps no reference policy yet, so there is nothing to take a KL to")
 
     def checkpoint_dir(self) -> str:
         """`checkpoint.dir`, or `<run.dir>/checkpoints` when that is empty."""
@@ -317,6 +314,17 @@ def _all_keys(cls: Any, prefix: str = "") -> Iterator[str]:
             yield from _all_keys(inner, f"{prefix}{name}.")
 
 
+def _where(ctx: _Context) -> str:
+    return f"on {ctx.source}" if ctx.source == COMMAND_LINE else f"in {ctx.source}"
+
+
+def _moved(key: str, ctx: _Context) -> ConfigError | None:
+    """The error for a key listed in MOVED_KEYS, naming its new place; None for any other key."""
+    if key not in MOVED_KEYS:
+        return None
+    return ConfigError(f"config key {key!r} has moved to {MOVED_KEYS[key]!r} ({_where(ctx)})")
+
+
 def _unknown(key: str, siblings: Iterable[str], prefix: str, ctx: _Context, section: bool) -> ConfigError:
     """The error for an unknown key, with the closest valid key: same name elsewhere, sibling, any."""
     everywhere, here = list(_all_keys(ctx.root)), [prefix + name for name in siblings]
@@ -324,8 +332,7 @@ def _unknown(key: str, siblings: Iterable[str], prefix: str, ctx: _Context, sect
     close = difflib.get_close_matches
     match = same_name or close(key, here, n=1) or close(key, everywhere, n=1)
     hint = f"did you mean {match[0]!r}?" if match else f"valid keys here: {', '.join(here) or 'none'}"
-    where = f"on {ctx.source}" if ctx.source == COMMAND_LINE else f"in {ctx.source}"
-    return ConfigError(f"unknown config {'section' if section else 'key'} {key!r} ({where}); {hint}")
+    return ConfigError(f"unknown config {'section' if section else 'key'} {key!r} ({_where(ctx)}); {hint}")
 
 
 def _type_name(tp: Any) -> str:
@@ -350,7 +357,8 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, ctx: _Context) ->
     types_by_name = _field_types(cls)
     for name, value in data.items():
         if name not in types_by_name:
-            raise _unknown(prefix + str(name), types_by_name, prefix, ctx, isinstance(value, Mapping))
+            raise _moved(prefix + str(name), ctx) or _unknown(
+                prefix + str(name), types_by_name, prefix, ctx, isinstance(value, Mapping))
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.init and f.name not in data and f.default is f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"config key {prefix + f.name!r} is required but missing from {ctx.source}")
@@ -384,6 +392,12 @@ def _convert(value: Any, tp: Any, key: str, ctx: _Context) -> Any:
         if isinstance(value, (list, tuple)):
             items = [_convert(v, args[0] if args else Any, f"{key}[{i}]", ctx) for i, v in enumerate(value)]
             return items if origin is list else tuple(items)
+    elif origin is tuple:  # fixed length: tuple[float, float]
+        if isinstance(value, (list, tuple)):
+            if len(value) != len(args):
+                raise ConfigError(f"config key {key!r} expects exactly {len(args)} items ({_type_name(tp)}), "
+                                  f"got {len(value)} from {ctx.source}")
+            return tuple(_convert(v, a, f"{key}[{i}]", ctx) for i, (v, a) in enumerate(zip(value, args)))
     elif origin is dict:
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
             return {k: _convert(v, args[1] if args else Any, f"{key}.{k}", ctx) for k, v in value.items()}
@@ -451,7 +465,8 @@ def _apply_override(data: dict[str, Any], cls: type, item: str) -> None:
             types_by_name = _field_types(target)
             name = parts[i] if parts[i] in types_by_name else parts[i].replace("-", "_")
             if name not in types_by_name:
-                raise _unknown(prefix + ".".join(parts[i:]), types_by_name, prefix, ctx, section=False)
+                raise _moved(prefix + ".".join([name, *parts[i + 1:]]), ctx) or _unknown(
+                    prefix + ".".join(parts[i:]), types_by_name, prefix, ctx, section=False)
             parts[i], tp, i = name, types_by_name[name], i + 1
         elif get_origin(target) is dict:  # the rest of the dotted key is one dict key
             name, tp, i = ".".join(parts[i:]), (get_args(target) or (str, Any))[1], len(parts)

@@ -42,7 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _run(args: argparse.Namespace, mode: str, run_dir: Path, kill_every: float = 0.0) -> dict:
     from moerl.config import load_config
-    from moerl.orchestration.run import train
+    from moerl.run import train
 
     overrides = [f"--train.mode={mode}", f"--train.steps={args.steps}", f"--run.dir={run_dir}",
                  f"--rollout.num_workers={args.workers}", "--rollout.cpus_per_worker=1", "--train.cpus_per_rank=1",

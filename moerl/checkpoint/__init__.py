@@ -3,7 +3,7 @@
     store = CheckpointStore("s3://bucket/run1")          # or a local path
     store.begin(step)                                    # clear a stale attempt at this step
     fut = save_trainer_state(trainer, f"{store.step_path(step)}/trainer", use_async=True)  # every trainer rank
-    store.write_bytes(step, "controller.pt", encode_controller_state(state)); write_arch(store, step, cfg)
+    store.write_bytes(step, "controller.pt", encode_controller_state(state, classes=...)); write_arch(store, step, cfg)
     fut.result(); store.commit(step, {"fingerprint": {...}}); store.prune(keep)      # after every rank's upload
     step = store.latest_step(); load_trainer_state(trainer, f"{store.step_path(step)}/trainer")
 """

@@ -1,9 +1,9 @@
-"""The controller's state as bytes: plain containers, numbers, strings, tensors and three dataclasses.
+"""The controller's state as bytes: plain containers, numbers, strings, tensors and allowed dataclasses.
 
 A checkpoint in a shared bucket must never execute code when a run resumes, so the bytes are read back only
 with `torch.load(weights_only=True)`, which refuses any class but tensors and builtin containers. Dataclasses
-therefore travel as tagged dicts ({TAG: "Completion", "fields": {...}}) and are rebuilt from an allow-list:
-Completion, GroupTask, GroupResult (plus dataclasses the caller names in `extra_classes`).
+therefore travel as tagged dicts ({TAG: "Completion", "fields": {...}}) and are rebuilt from the allow-list
+the caller passes (`classes`: the loop's GroupTask, GroupResult and the engine's Completion); nothing else.
 """
 
 from __future__ import annotations
@@ -18,16 +18,11 @@ TAG = "__moerl_type__"
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
 
 
-def _allowed(extra_classes: tuple[type, ...]) -> dict[str, type]:
-    from moerl.orchestration.rollout_worker import GroupResult  # lazy: the controller's modules import us
-    from moerl.orchestration.work_queue import GroupTask
-    from moerl.rollout.types import Completion
-
-    classes = {c.__name__: c for c in (Completion, GroupTask, GroupResult, *extra_classes)}
-    bad = [c.__name__ for c in classes.values() if not dataclasses.is_dataclass(c)]
+def _allowed(classes: tuple[type, ...]) -> dict[str, type]:
+    bad = [getattr(c, "__name__", repr(c)) for c in classes if not dataclasses.is_dataclass(c)]
     if bad:
-        raise TypeError(f"extra_classes must be dataclasses: {bad}")
-    return classes
+        raise TypeError(f"controller state classes must be dataclasses: {bad}")
+    return {c.__name__: c for c in classes}
 
 
 def _encode(obj: Any, classes: dict[str, type], where: str) -> Any:
@@ -73,13 +68,15 @@ def _decode(obj: Any, classes: dict[str, type]) -> Any:
     return obj
 
 
-def encode_controller_state(obj: Any, *, extra_classes: tuple[type, ...] = ()) -> bytes:
+def encode_controller_state(obj: Any, *, classes: tuple[type, ...]) -> bytes:
+    """`obj` as bytes; the only dataclasses it may hold are `classes`."""
     buf = io.BytesIO()
-    torch.save(_encode(obj, _allowed(extra_classes), "root"), buf)
+    torch.save(_encode(obj, _allowed(classes), "root"), buf)
     return buf.getvalue()
 
 
-def decode_controller_state(data: bytes, *, extra_classes: tuple[type, ...] = ()) -> Any:
-    """Inverse of encode_controller_state. Raises pickle.UnpicklingError on bytes naming any other class."""
+def decode_controller_state(data: bytes, *, classes: tuple[type, ...]) -> Any:
+    """Inverse of encode_controller_state. Raises pickle.UnpicklingError on bytes naming any other class,
+    ValueError on a tag outside `classes`."""
     raw = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    return _decode(raw, _allowed(extra_classes))
+    return _decode(raw, _allowed(classes))

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moerl.model.config import CheckpointError
 from moerl.model.moe import SparseMoEBlock
 from moerl.model.transformer import MoECausalLM
-from moerl.train.parallel import like
 
 log = logging.getLogger(__name__)
 # no_dist is deliberate here (one process, or a per-rank load); DCP warns on every such call, also from the
@@ -52,6 +52,15 @@ _JSON_KEYS = ("json/optim_groups", "json/scheduler", "json/trainer")
 # the upload in flight (a new save waits for it, so the checkpoint group sees one save at a time).
 _CKPT_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _IN_FLIGHT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def like(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` (the whole tensor, present on every rank) laid out like `target`: this rank's shard of it when
+    `target` is an FSDP DTensor (cut locally, no communication), else `full` itself."""
+    if isinstance(target, DTensor):
+        full = full.to(device=target.device, dtype=target.dtype)
+        return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+    return full
 
 
 def _fsspec():

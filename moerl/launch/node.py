@@ -165,9 +165,9 @@ def _split(head: str, default_port: int) -> tuple[str, int]:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from moerl.cli import main
+    from moerl.run import main as train_main
 
-    return main(["train", config_path(a.config), *a.overrides])
+    return train_main([config_path(a.config), *a.overrides])
 
 
 def cmd_trainer(a: argparse.Namespace) -> int:
@@ -195,9 +195,9 @@ def cmd_trainer(a: argparse.Namespace) -> int:
         if not head.alive() or time.monotonic() > deadline:
             raise SystemExit(f"error: the Ray head did not start at {address}")
         _wait_for_nodes(address, a.nodes, a.wait_s)
-        from moerl.cli import main
+        from moerl.run import main as train_main
 
-        return main(["train", config, f"--ray.address={address}", *a.overrides])
+        return train_main([config, f"--ray.address={address}", *a.overrides])
     finally:
         head.stop()
 

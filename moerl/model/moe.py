@@ -22,6 +22,11 @@ from moerl.model.config import MoEModelConfig
 ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
 
 
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (`...mlp.experts.gate_up_proj` / `down_proj`): split over ranks under EP."""
+    return ".experts." in name
+
+
 @dataclass
 class RouterOutput:
     topk_idx_TK: torch.Tensor  # int64 expert ids (-1 where dropped by capacity)

@@ -8,26 +8,32 @@ column), attention spans the whole slab with a mask, and MoE routing never leave
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
+from moerl.rollout.kv_cache import SlabKVCache
 from moerl.rollout.sampling import SamplingBatch, sampling_hints
 
-if TYPE_CHECKING:
-    from moerl.rollout.engine import Engine
+# fill(reqs, n, ids_B, pos_B, write_B, sampling): write the batch's inputs into the static tensors in place.
+FillInputs = Callable[[list, int, torch.Tensor, torch.Tensor, torch.Tensor, SamplingBatch], None]
+# decode(ids_B, pos_B, write_B, sampling, kv_len, hints) -> (token_B, logprob_B, routing_BLK): what is captured.
+DecodeFn = Callable[..., tuple]
 
 
 class DecodeGraphs:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.kv_len = engine.cache.max_seq_len + 1
+    """Captures `decode` once per (bucket, sampling variant) and replays it; `run` returns None when capture
+    failed (the caller then decodes eagerly)."""
+
+    def __init__(self, cache: SlabKVCache, max_batch_size: int, fill_inputs: FillInputs, decode: DecodeFn) -> None:
+        self.cache, self.fill_inputs, self.decode = cache, fill_inputs, decode
+        self.kv_len = cache.max_seq_len + 1
         self.buckets = []
         b = 1
-        while b < engine.config.max_batch_size:
+        while b < max_batch_size:
             self.buckets.append(b)
             b *= 2
-        self.buckets.append(engine.config.max_batch_size)
+        self.buckets.append(max_batch_size)
         self.captured: dict[int, tuple] = {}
         self.pool = None
         self.disabled_reason: str | None = None
@@ -44,18 +50,18 @@ class DecodeGraphs:
                 self.disabled_reason = str(e).splitlines()[0]
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.disabled_reason}")
         if self.disabled_reason is not None:
-            return self.engine._decode_eager(reqs, n)
+            return None
         graph, ids, pos, write, sampling, outs = self.captured[key]
-        self.engine.decode_inputs(reqs, bucket, ids, pos, write, sampling)
+        self.fill_inputs(reqs, bucket, ids, pos, write, sampling)
         graph.replay()
         return outs
 
     def _capture(self, n: int, hints: dict):
-        dev = self.engine.device
+        dev = self.cache.k[0].device
         ids, pos = torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
-        write = torch.full((n,), self.engine.cache.scratch_column, dtype=torch.long, device=dev)
+        write = torch.full((n,), self.cache.scratch_column, dtype=torch.long, device=dev)
         sampling = SamplingBatch.empty(n, dev)
-        run = lambda: self.engine.decode_forward(ids, pos, write, sampling, self.kv_len, hints)  # noqa: E731
+        run = lambda: self.decode(ids, pos, write, sampling, self.kv_len, hints)  # noqa: E731
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS handles) outside the capture

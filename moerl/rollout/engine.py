@@ -80,7 +80,8 @@ class Engine:
         self._finished_at_submit: list[_Request] = []  # complete prefixes: the next step() reports them
         self._ids = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
-        self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
+        self.graphs = (DecodeGraphs(self.cache, config.max_batch_size, self.decode_inputs, self.decode_forward)
+                       if config.cuda_graphs and self.device.type == "cuda" else None)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0}
 
     @staticmethod
@@ -270,10 +271,8 @@ class Engine:
         if not reqs:
             return
         n = max(r.slot for r in reqs) + 1
-        if self.graphs is not None:
-            token_B, logprob_B, routing_BLK = self.graphs.run(reqs, n)
-        else:
-            token_B, logprob_B, routing_BLK = self._decode_eager(reqs, n)
+        out = self.graphs.run(reqs, n) if self.graphs is not None else None
+        token_B, logprob_B, routing_BLK = out if out is not None else self._decode_eager(reqs, n)
         token_B, logprob_B, routing_BLK = token_B.cpu(), logprob_B.cpu(), routing_BLK.to(torch.int16).cpu()
         # One vectorised write of every row's routing into its slot's row of the host-side routing table.
         slots = torch.tensor([r.slot for r in reqs])

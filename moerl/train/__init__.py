@@ -1,5 +1,5 @@
-"""Training: the RL policy loss (GRPO advantages, decoupled PPO-clip with importance correction)."""
+"""Training: the RL policy loss (`moerl.train.loss`), one trainer rank (`moerl.train.trainer`), FSDP2/EP
+sharding (`moerl.train.parallel`) and their torch-free config sections (`moerl.train.config`).
 
-from moerl.train.loss import LossConfig, group_advantages, policy_loss, sequence_count, token_count
-
-__all__ = ["LossConfig", "group_advantages", "policy_loss", "sequence_count", "token_count"]
+Deliberately imports nothing: `moerl.config` imports `moerl.train.config`, and must not pull in torch.
+"""

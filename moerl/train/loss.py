@@ -45,13 +45,11 @@ the whole batch. The loss value reported is likewise the rank's share.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-from moerl.config import require
+from moerl.train.config import LossConfig
 
 __all__ = [
     "LossConfig",
@@ -61,44 +59,9 @@ __all__ = [
     "token_count",
 ]
 
-ISCorrection = Literal["tis", "mask", "none"]
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-
 # exp() of log-weights beyond this is clamped: keeps the IS statistics finite when the behaviour log-prob of a
 # token is absurdly low (e^20 ~ 5e8, far above any sensible is_cap, so truncation/masking are unaffected).
 _MAX_LOG_WEIGHT = 20.0
-
-
-@dataclass
-class LossConfig:
-    clip_eps_low: float = 0.2  # PPO clip: ratio lower bound is 1 - clip_eps_low
-    clip_eps_high: float = 0.28  # PPO clip: ratio upper bound is 1 + clip_eps_high (DAPO clip-higher)
-    is_correction: ISCorrection = "tis"  # behaviour->proximal correction: truncate (tis), mask, or none
-    is_cap: float = 2.0  # TIS truncation cap; upper bound of the band kept by "mask"
-    is_mask_low: float = 0.5  # lower bound of the band kept by "mask"
-    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy; 0 = off
-    aggregation: Aggregation = "token-mean"  # how per-token losses are averaged
-    normalize_adv_std: bool = True  # GRPO: divide group-centred rewards by the group std
-    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
-
-    def validate(self) -> None:
-        """Raise ValueError (moerl.config.CheckFailed) naming the offending field."""
-        for name in ("clip_eps_low", "clip_eps_high", "is_cap", "is_mask_low", "kl_coef", "entropy_coef"):
-            value = getattr(self, name)
-            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                    name, f"must be a finite number, got {value!r}")
-        require(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}")
-        require(self.clip_eps_high >= 0.0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
-        require(self.is_correction in get_args(ISCorrection), "is_correction",
-                f"must be one of {list(get_args(ISCorrection))}, got {self.is_correction!r}")
-        require(self.is_cap >= 1.0, "is_cap", f"must be >= 1 (on-policy weight 1 must pass), got {self.is_cap}")
-        require(0.0 <= self.is_mask_low <= 1.0, "is_mask_low", f"must be in [0, 1], got {self.is_mask_low}")
-        require(self.kl_coef >= 0.0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
-        require(self.entropy_coef >= 0.0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
-        require(self.aggregation in get_args(Aggregation), "aggregation",
-                f"must be one of {list(get_args(Aggregation))}, got {self.aggregation!r}")
-        require(isinstance(self.normalize_adv_std, bool), "normalize_adv_std",
-                f"must be a bool, got {self.normalize_adv_std!r}")
 
 
 # ------------------------------------------------------------------------------------------ advantages

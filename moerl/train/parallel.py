@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from moerl.model.transformer import MoECausalLM
 
@@ -49,15 +49,6 @@ def shard_model(model: MoECausalLM, group: dist.ProcessGroup) -> DeviceMesh:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (an all-gather for an FSDP shard: every rank of the mesh must call it, in order)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def like(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """`full` (the whole tensor, present on every rank) laid out like `target`: this rank's shard of it when
-    `target` is an FSDP DTensor (cut locally, no communication), else `full` itself."""
-    if isinstance(target, DTensor):
-        full = full.to(device=target.device, dtype=target.dtype)
-        return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-    return full
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -21,19 +21,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from moerl.model.moe import is_expert_param
 from moerl.model.transformer import MoECausalLM
-from moerl.train.loss import LossConfig, policy_loss
+from moerl.train.config import LossConfig, OptimConfig
+from moerl.train.loss import policy_loss, sequence_count
 from moerl.train.parallel import full_tensor, local, shard_model
 from moerl.wire import PackedTensorFields
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
 
 
 @dataclass
@@ -120,14 +113,17 @@ class PolicyTrainer:
         self.steps_done = 0
 
     def _is_expert_param(self, name: str) -> bool:
-        return self.expert_parallel and ".experts." in name
+        return self.expert_parallel and is_expert_param(name)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.group is not None and self.world > 1:
             dist.all_reduce(t, group=self.group)
         return t
 
-    def token_logprobs(self, batch: Batch, replay: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def token_logprobs(self, batch: Batch, replay: bool, entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the targets [B, T], the aux loss, tokens per expert [L, E], and (when asked) the
+        policy's entropy at each position [B, T]."""
         out = self.model.forward_full(batch.input_ids_BT, routed_experts_BTLK=batch.routed_BTLK if replay else None,
                                       with_aux_loss=self.aux_loss_coef > 0)
         logp_BTV = torch.log_softmax(out.logits_BTV.float(), dim=-1)
@@ -137,16 +133,21 @@ class PolicyTrainer:
         E = self.model.config.num_experts
         counts_LE = torch.stack([torch.bincount(routed_NLK[:, l].reshape(-1), minlength=E)
                                  for l in range(routed_NLK.shape[1])]) if routed_NLK.shape[1] else out.expert_counts_LE
-        return logp_BTV.gather(-1, batch.target_ids_BT[..., None]).squeeze(-1), out.aux_loss, counts_LE
+        entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1) if entropy else None
+        return logp_BTV.gather(-1, batch.target_ids_BT[..., None]).squeeze(-1), out.aux_loss, counts_LE, entropy_BT
 
     def rl_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the policy loss; every rank calls it with its share of the batch."""
         self.model.train()
-        global_tokens = int(self._all_reduce(batch.mask_BT.sum().to(torch.float64)).item())
+        # the loss normalisers over all ranks: valid tokens (token-mean) and non-empty sequences (seq-mean-*)
+        counts = torch.tensor([batch.mask_BT.sum().item(), sequence_count(batch.mask_BT)], dtype=torch.float64,
+                              device=self.device)
+        global_tokens, global_seqs = (int(c) for c in self._all_reduce(counts).tolist())
         replay = self.routing_replay and batch.routed_BTLK is not None
-        logp_BT, aux, counts_LE = self.token_logprobs(batch, replay)
+        logp_BT, aux, counts_LE, entropy_BT = self.token_logprobs(batch, replay, self.loss_cfg.entropy_coef > 0)
         loss, metrics = policy_loss(logp_BT, logp_BT.detach(), batch.behaviour_BT, batch.advantages_B,
-                                    batch.mask_BT, self.loss_cfg, global_tokens=max(global_tokens, 1))
+                                    batch.mask_BT, self.loss_cfg, entropy_BT=entropy_BT,
+                                    global_tokens=max(global_tokens, 1), global_seqs=max(global_seqs, 1))
         if aux is not None:
             loss = loss + self.aux_loss_coef * aux / self.world
             metrics["loss/aux"] = float(aux.detach())
@@ -156,7 +157,7 @@ class PolicyTrainer:
         """Supervised warm start: token-mean cross-entropy of the completion tokens."""
         self.model.train()
         global_tokens = int(self._all_reduce(batch.mask_BT.sum().to(torch.float64)).item())
-        logp_BT, _, counts_LE = self.token_logprobs(batch, replay=False)
+        logp_BT, _, counts_LE, _ = self.token_logprobs(batch, replay=False)
         loss = -(logp_BT * batch.mask_BT).sum() / max(global_tokens, 1)
         return self._apply(loss, {"loss/sft": float(loss.detach()) * self.world}, counts_LE, global_tokens)
 

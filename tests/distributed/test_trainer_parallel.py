@@ -31,10 +31,10 @@ def arch():
                        num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1])
 
 
-def make(group=None, layout: str = "replicate", ep: bool = False) -> PolicyTrainer:
+def make(group=None, layout: str = "replicate", ep: bool = False, loss: LossConfig | None = None) -> PolicyTrainer:
     model = build_model(arch(), seed=0, expert_parallel_group=group if ep else None,
                         dispatcher="all_to_all" if ep else "local")
-    return PolicyTrainer(model, OptimConfig(lr=1e-3, weight_decay=0.01), LossConfig(), group=group,
+    return PolicyTrainer(model, OptimConfig(lr=1e-3, weight_decay=0.01), loss or LossConfig(), group=group,
                          expert_parallel=ep, expert_bias_rate=1e-3, data_parallel=layout)
 
 
@@ -94,6 +94,29 @@ def test_every_layout_steps_like_one_process(world, tmp_path):
             # atol: 1% of one AdamW step (lr 1e-3); Adam magnifies rounding where a gradient is near zero
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
         assert sorted(got[0]["state"]) == sorted(want)
+
+
+# ---------------------------------------------------------------- the loss knobs under data parallelism
+KNOBS = LossConfig(aggregation="seq-mean-token-mean", entropy_coef=0.05)
+
+
+def knobs_worker(rank: int, world: int, out_dir: str) -> None:
+    trainer = make(dist.group.WORLD, "fsdp", ep=True, loss=KNOBS)
+    norms = run_steps(trainer, rank, world)
+    torch.save({"norms": norms, "state": trainer.publish_state()}, Path(out_dir) / f"knobs-rank{rank}.pt")
+
+
+def test_sequence_mean_and_entropy_bonus_step_like_one_process(tmp_path):
+    """The seq-mean normaliser counts sequences over all ranks, and the entropy term reaches the gradient."""
+    run_ranks(2, knobs_worker, str(tmp_path), timeout=180)
+    ref, plain = make(loss=KNOBS), make()
+    ref_norms, plain_norms = run_steps(ref, 0, 1), run_steps(plain, 0, 1)
+    got = [torch.load(tmp_path / f"knobs-rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close(got[0]["norms"], ref_norms, rtol=1e-5, atol=0)
+    assert abs(ref_norms[0] - plain_norms[0]) > 1e-3 * plain_norms[0], "the knobs did not change the gradient"
+    for name, w in ref.publish_state().items():
+        g = torch.cat([got[r]["state"][name] for r in range(2)]) if ".experts." in name else got[0]["state"][name]
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------- checkpoints do not depend on the layout

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from moerl.config import load_config
-from moerl.orchestration.run_log import read_jsonl
+from moerl.runlog.run_log import read_jsonl
 from moerl.tasks.arithmetic import ArithmeticTask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,9 +95,9 @@ class Captured:
 
 @pytest.fixture
 def captured(monkeypatch) -> Captured:
-    from moerl.orchestration.controller import Controller
-    from moerl.orchestration.samples import SampleBuilder
-    from moerl.orchestration.work_queue import WorkQueue
+    from moerl.loop.controller import Controller
+    from moerl.loop.samples import SampleBuilder
+    from moerl.loop.work_queue import WorkQueue
 
     seen = Captured()
     build, hand_back, take_batch = SampleBuilder.build, WorkQueue.hand_back, Controller._take_batch
@@ -203,7 +203,7 @@ class Striker(threading.Thread):
 
 
 def run_with_striker(cfg, striker: Striker) -> dict:
-    from moerl.orchestration.run import train
+    from moerl.run import train
 
     striker.start()
     try:
@@ -330,7 +330,7 @@ def test_reward_that_raises_and_generation_that_fails(tmp_path, ray_env, capture
     retried up to rollout.max_attempts and then recorded as failed, never trained."""
     groups = captured.groups
     cfg = small_config(tmp_path, f"--task.name={FLAKY}", "--rollout.max_attempts=2", steps=6)
-    from moerl.orchestration.run import train
+    from moerl.run import train
 
     result = train(cfg)
     print(f"flaky: {result['counters']} queue {result['queue']} failed {result['failed_tasks']}")
@@ -362,7 +362,7 @@ def test_reward_that_raises_and_generation_that_fails(tmp_path, ray_env, capture
 def test_task_module_that_fails_to_import(tmp_path, ray_env, monkeypatch):
     import ray
 
-    from moerl.orchestration.run import train
+    from moerl.run import train
     from moerl.tasks.base import TaskError
 
     (tmp_path / "broken_task_mod.py").write_text("import moerl_no_such_dependency_xyz\n")
@@ -383,7 +383,7 @@ def test_task_module_that_fails_to_import(tmp_path, ray_env, monkeypatch):
 def test_task_that_fails_to_import_on_the_workers_only(tmp_path, ray_env, monkeypatch):
     """The driver imports the task but the workers cannot (their environment lacks it): a clear error, no
     endless respawning of workers that die in their constructor."""
-    from moerl.orchestration.run import train
+    from moerl.run import train
 
     (tmp_path / "driver_only_task.py").write_text(
         "from moerl.tasks.arithmetic import ArithmeticTask as DriverOnlyTask\n")
@@ -442,7 +442,7 @@ class _IMDS(http.server.ThreadingHTTPServer):
 
 def tiny_worker_spec(**changes):
     from moerl.model import tiny_config
-    from moerl.orchestration.rollout_worker import WorkerSpec
+    from moerl.actors.rollout_worker import WorkerSpec
     from moerl.rollout import EngineConfig, SamplingParams
 
     task = ArithmeticTask()
@@ -461,7 +461,7 @@ def tiny_worker_spec(**changes):
 @pytest.fixture
 def in_process_workers(monkeypatch):
     """RolloutWorker objects built in this process (no Ray); `os._exit` is caught instead of run."""
-    from moerl.orchestration import rollout_worker
+    from moerl.actors import rollout_worker
 
     exits: list[int] = []
     exited = threading.Event()
@@ -489,7 +489,7 @@ def in_process_workers(monkeypatch):
 
 
 def group_task(task_id: str = "arith-000007", index: int = 7, group_size: int = 3):
-    from moerl.orchestration.work_queue import GroupTask
+    from moerl.loop.types import GroupTask
 
     prompt = ArithmeticTask().prompt_at(index)
     return GroupTask(task_id, index, prompt.prompt_token_ids, group_size)
@@ -504,7 +504,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers):
-    from moerl.orchestration.rollout_worker import WorkerSpec
+    from moerl.actors.rollout_worker import WorkerSpec
 
     assert WorkerSpec.imds_interval_s == 5.0  # the spot notice is polled every 5 s unless a spec says otherwise
     make, exited, exits = in_process_workers
@@ -568,124 +568,3 @@ def test_sigterm_handler_on_worker_class(in_process_workers):
     os.kill(os.getpid(), signal.SIGTERM)
     wait_for(w.preempting.is_set, 5, "SIGTERM to preempt the worker")
     assert exited.wait(w.spec.grace_s + 5) and exits == [0]
-
-
-# ------------------------------------------------------------------------------------------ unit (no Ray)
-class _FakePool:
-    """The WorkerPool calls the controller makes, with results fed by the test."""
-
-    def __init__(self, ids: list[str]) -> None:
-        self.inflight_count = dict.fromkeys(ids, 0)
-        self.results: list = []  # (ref, GroupResult | None, Exception | None) for the next wait()
-        self.target = len(ids)
-        self.removed: list[str] = []
-        self.leaving: list[str] = []
-
-    def ready_ids(self):
-        return [w for w in self.inflight_count if w not in self.leaving]
-
-    def inflight(self, worker_id):
-        return self.inflight_count[worker_id]
-
-    def dispatch(self, worker_id, task):
-        self.inflight_count[worker_id] += 1
-        return object()
-
-    def wait(self, inflight, timeout, also=()):
-        out, self.results = [r for r in self.results if r[0] in inflight], []
-        for ref, _, _ in out:
-            worker = inflight[ref][0]
-            if worker in self.inflight_count:
-                self.inflight_count[worker] -= 1
-        return out
-
-    def unresponsive(self, now):
-        return []
-
-    def replace_missing(self, version):
-        return []
-
-    def remove(self, worker_id):
-        self.removed.append(worker_id)
-        return self.inflight_count.pop(worker_id, None) is not None
-
-    def mark_leaving(self, worker_id):
-        self.leaving.append(worker_id)
-
-
-def _controller(lease_timeout: float = 30.0, workers=("w0", "w1")):
-    from moerl.orchestration.controller import Controller, LoopConfig
-    from moerl.orchestration.samples import SampleBuilder
-    from moerl.orchestration.work_queue import WorkQueue
-
-    task = ArithmeticTask()
-    queue = WorkQueue(lease_timeout=lease_timeout, max_attempts=2)
-    pool = _FakePool(list(workers))
-    loop = LoopConfig(steps=1, batch_groups=1, group_size=2, max_staleness=1, mode="async", stale_policy="drop",
-                      max_inflight_per_worker=1)
-    return Controller(loop, queue, pool, None, SampleBuilder(task, True, 2, 4), lambda *a: None), queue, pool
-
-
-def _ok(task_id: str, worker_id: str):
-    from moerl.orchestration.rollout_worker import GroupResult
-    from moerl.rollout import Completion
-
-    comps = [Completion(f"{task_id}/{i}", [1], [2], [-0.1], [0], None, "stop") for i in range(2)]
-    return GroupResult(task_id, worker_id, "ok", comps, [1.0, 0.0], [None, None])
-
-
-def test_late_result_after_lease_expired_and_was_released_is_dropped():
-    ctl, queue, pool = _controller(lease_timeout=30.0, workers=("w0",))
-    ctl._lease_and_dispatch()  # w0 leases the first prompt
-    (ref0, (w, tid)), = ctl.inflight.items()
-    assert w == "w0" and pool.inflight("w0") == 1
-    queue._leases[tid].deadline = time.monotonic() - 1  # w0 went silent past its lease
-    ctl._check_workers()  # the lease expires: the task is pending again, at the front
-    assert queue.stats()["expired"] == 1 and queue.pending_ids() == [tid]
-
-    pool.inflight_count["w1"] = 0  # a second worker takes the task over
-    ctl._lease_and_dispatch()
-    assert queue.lease_of(tid).worker_id == "w1"
-    ref1 = next(r for r, (wid, _) in ctl.inflight.items() if wid == "w1")
-
-    pool.results = [(ref0, _ok(tid, "w0"), None)]  # w0's late result: dropped, counted
-    ctl._collect(timeout=0)
-    assert ctl.state.counters["late_results"] == 1 and ctl.state.ready == []
-    assert pool.inflight("w0") == 0, "the expired call still holds a slot of w0"
-    pool.results = [(ref1, _ok(tid, "w1"), None)]  # w1's result is the one that reaches the trainer
-    ctl._collect(timeout=0)
-    assert [g.worker_id for g in ctl.state.ready] == ["w1"] and ctl.state.counters["groups_done"] == 1
-    assert queue.completed_ids == {tid}
-
-
-def test_results_of_a_lost_worker_are_dropped_and_its_lease_requeued():
-    from ray.exceptions import RayActorError
-
-    ctl, queue, pool = _controller(workers=("w0", "w1"))
-    ctl._lease_and_dispatch()
-    refs = {wid: ref for ref, (wid, _) in ctl.inflight.items()}
-    tids = {wid: tid for _, (wid, tid) in ctl.inflight.items()}
-    pool.results = [(refs["w0"], None, RayActorError()), (refs["w0"], None, RayActorError())]
-    ctl._collect(timeout=0)
-    assert ctl.state.counters["workers_lost"] == 1 and pool.removed == ["w0"]
-    assert queue.pending_ids() == [tids["w0"]] and queue.stats()["lost"] == 1
-    pool.results = [(refs["w1"], _ok(tids["w1"], "w1"), None)]
-    ctl._collect(timeout=0)
-    assert ctl.state.counters["groups_done"] == 1
-
-
-def test_preempted_result_hands_back_partials_and_the_worker_takes_no_more():
-    from moerl.orchestration.rollout_worker import GroupResult
-    from moerl.rollout import Completion
-
-    ctl, queue, pool = _controller(workers=("w0",))
-    ctl._lease_and_dispatch()
-    (ref, (_, tid)), = ctl.inflight.items()
-    partial = [Completion(f"{tid}/0", [1], [2, 3], [-0.1, -0.2], [0, 0], None, "abort"), None]
-    pool.results = [(ref, GroupResult(tid, "w0", "preempted", partial), None)]
-    ctl._collect(timeout=0)
-    assert ctl.state.counters["preempted"] == 1 and queue.stats()["handed_back"] == 1
-    assert queue.pending_ids() == [tid] and queue._tasks[tid].partials == partial  # not an attempt
-    assert queue._tasks[tid].attempts == 0 and pool.leaving == ["w0"]
-    ctl._lease_and_dispatch()  # the leaving worker gets nothing more; the task waits for another
-    assert ctl.inflight == {} and queue.pending_ids() == [tid]

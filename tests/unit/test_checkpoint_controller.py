@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moerl.checkpoint import decode_controller_state, encode_controller_state
-from moerl.orchestration.rollout_worker import GroupResult
-from moerl.orchestration.work_queue import GroupTask, WorkQueue
+from moerl.loop.types import STATE_CLASSES, GroupResult, GroupTask
+from moerl.loop.work_queue import WorkQueue
 from moerl.rollout.types import Completion
 
 
@@ -32,7 +32,7 @@ def controller_state() -> dict:
     q.lease("w1", now=0.0)
     q.hand_back("t1", "w1", [completion(1, False), None], now=1.0)  # preempted: partials kept
     q.lease("w1", now=2.0)
-    ready = [GroupResult("t9", "w0", "ok", [completion(2, True), completion(3, True)], [1.0, None], [None, "boom"],
+    ready = [GroupResult("t9", 9, "w0", "ok", [completion(2, True), completion(3, True)], [1.0, None], [None, "boom"],
                          None, 0.25)]
     return {"version": 7, "step": 12, "next_prompt_index": 4, "queue": q.state_dict(), "ready": ready,
             "counters": {"groups_done": 3, "preempted": 1}, "seen": {"a", "b"}, "pair": (1, 2.5)}
@@ -58,7 +58,7 @@ def assert_equal(a, b) -> None:
 
 def test_round_trip_keeps_queue_partials_and_results():
     state = controller_state()
-    back = decode_controller_state(encode_controller_state(state))
+    back = decode_controller_state(encode_controller_state(state, classes=STATE_CLASSES), classes=STATE_CLASSES)
     assert_equal(back, state)
     leased = back["queue"]["leased"]
     assert [t["task_id"] for t in leased] == ["t0", "t1"]
@@ -76,14 +76,16 @@ def test_unknown_dataclass_is_refused_on_encode_unless_allowed():
         ready: list
 
     with pytest.raises(TypeError, match=r"root\['loop'\]: .*Loop is not allowed"):
-        encode_controller_state({"loop": Loop(1, [])})
+        encode_controller_state({"loop": Loop(1, [])}, classes=STATE_CLASSES)
     with pytest.raises(TypeError, match=r"root\[0\]: builtins.object is not allowed"):
-        encode_controller_state([object()])
+        encode_controller_state([object()], classes=STATE_CLASSES)
     state = Loop(3, [controller_state()["ready"][0]])
-    assert_equal(decode_controller_state(encode_controller_state(state, extra_classes=(Loop,)), extra_classes=(Loop,)),
-                 state)
+    with_loop = (*STATE_CLASSES, Loop)
+    assert_equal(decode_controller_state(encode_controller_state(state, classes=with_loop), classes=with_loop), state)
     with pytest.raises(ValueError, match="'Loop', which is not in the allow-list"):
-        decode_controller_state(encode_controller_state(state, extra_classes=(Loop,)))
+        decode_controller_state(encode_controller_state(state, classes=with_loop), classes=STATE_CLASSES)
+    with pytest.raises(TypeError, match="must be dataclasses"):
+        encode_controller_state({}, classes=(object,))
 
 
 class _Evil:
@@ -99,9 +101,9 @@ def test_forged_pickle_is_refused_without_running_it(tmp_path):
     buf = io.BytesIO()
     torch.save({"version": 1, "x": _Evil(str(marker))}, buf)
     with pytest.raises(pickle.UnpicklingError):
-        decode_controller_state(buf.getvalue())
+        decode_controller_state(buf.getvalue(), classes=STATE_CLASSES)
     buf = io.BytesIO()
     torch.save({"x": Completion("r", [1])}, buf)  # even an allow-listed class, pickled as itself, is refused
     with pytest.raises(pickle.UnpicklingError):
-        decode_controller_state(buf.getvalue())
+        decode_controller_state(buf.getvalue(), classes=STATE_CLASSES)
     assert not marker.exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,6 +12,7 @@ from typing import Literal
 import pytest
 
 from moerl.config import (
+    MOVED_KEYS,
     ConfigError,
     MoerlConfig,
     config_from_dict,
@@ -18,6 +21,7 @@ from moerl.config import (
     load_config,
     require,
 )
+from moerl.train.config import LossConfig, OptimConfig
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
@@ -63,7 +67,7 @@ def test_demo_toml_loads_with_its_values():
 def test_no_path_means_defaults_and_checkpoint_dir_falls_back_to_run_dir():
     cfg = load_config(None)
     assert cfg == MoerlConfig()
-    assert cfg.run.device == "auto" and cfg.model.routing_replay is True and cfg.train.lr == 1e-4
+    assert cfg.run.device == "auto" and cfg.model.routing_replay is True and cfg.train.optim.lr == 1e-4
     assert cfg.checkpoint_dir() == "runs/demo/checkpoints"
     assert load_config(None, ["--checkpoint.dir=/tmp/ck"]).checkpoint_dir() == "/tmp/ck"
 
@@ -71,14 +75,14 @@ def test_no_path_means_defaults_and_checkpoint_dir_falls_back_to_run_dir():
 def test_file_sets_only_given_keys(tmp_path):
     cfg = load_config(write(tmp_path, "[train]\nsteps = 7\n[model]\ncapacity_factor = 1.25\n"))
     assert cfg.train.steps == 7 and cfg.model.capacity_factor == 1.25
-    assert cfg.train.lr == 1e-4 and cfg.rollout.num_workers == 2
+    assert cfg.train.optim.lr == 1e-4 and cfg.rollout.num_workers == 2
 
 
 # ---------------------------------------------------------------------------------- overrides
 def test_overrides_of_each_scalar_type_win_over_the_file():
     cfg = load_config(DEMO, [
         "--train.steps=5",  # int
-        "train.lr=3e-5",  # float, without the leading dashes
+        "train.optim.lr=3e-5",  # float, without the leading dashes
         "--rollout.temperature=2",  # int accepted for float
         "--model.routing_replay=false",  # bool
         "--run.device=cpu",  # Literal, bare word
@@ -88,7 +92,7 @@ def test_overrides_of_each_scalar_type_win_over_the_file():
         "--ray.address=",  # empty string
     ])
     assert cfg.train.steps == 5
-    assert cfg.train.lr == 3e-5
+    assert cfg.train.optim.lr == 3e-5
     assert cfg.rollout.temperature == 2.0 and isinstance(cfg.rollout.temperature, float)
     assert cfg.model.routing_replay is False
     assert cfg.run.device == "cpu" and cfg.model.dtype == "bfloat16"
@@ -166,12 +170,12 @@ def test_wrong_type_names_key_expected_type_and_value(tmp_path):
 def test_bool_rejected_for_int_and_float_but_int_accepted_for_float():
     with pytest.raises(ConfigError, match=r"'train.steps' expects int, got True \(bool\)"):
         load_config(None, ["--train.steps=true"])
-    with pytest.raises(ConfigError, match=r"'train.lr' expects float, got False \(bool\)"):
-        config_from_dict({"train": {"lr": False}}, MoerlConfig)
+    with pytest.raises(ConfigError, match=r"'train.optim.lr' expects float, got False \(bool\)"):
+        config_from_dict({"train": {"optim": {"lr": False}}}, MoerlConfig)
     with pytest.raises(ConfigError, match=r"'train.steps' expects int, got 2.0 \(float\)"):
         config_from_dict({"train": {"steps": 2.0}}, MoerlConfig)
-    cfg = config_from_dict({"train": {"lr": 1}, "model": {"capacity_factor": 2}}, MoerlConfig)
-    assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float and type(cfg.model.capacity_factor) is float
+    cfg = config_from_dict({"train": {"optim": {"lr": 1}}, "model": {"capacity_factor": 2}}, MoerlConfig)
+    assert cfg.train.optim.lr == 1.0 and type(cfg.train.optim.lr) is float and type(cfg.model.capacity_factor) is float
 
 
 def test_literal_error_lists_choices():
@@ -218,7 +222,7 @@ def test_config_error_is_a_value_error():
 
 # ------------------------------------------------------------------------------ round-trip
 def test_dump_load_round_trip_of_changed_schema_config(tmp_path):
-    cfg = load_config(DEMO, ["--train.lr=3.3e-7", "--run.name=a \"quoted\" \\ name\n", "--run.deterministic",
+    cfg = load_config(DEMO, ["--train.optim.lr=3.3e-7", "--run.name=a \"quoted\" \\ name\n", "--run.deterministic",
                              "--checkpoint.dir=s3://b/p", "--model.dtype=float16", "--rollout.top_p=0.1"])
     text = dump_toml(cfg)
     assert "[train]\nsteps = 600\n" in text and 'dir = "s3://b/p"' in text
@@ -241,3 +245,134 @@ def test_config_to_dict_is_plain_nested_dicts():
     assert list(d) == [f.name for f in dataclasses.fields(MoerlConfig)]
     assert d["train"]["steps"] == 50 and d["model"]["dispatcher"] == "auto"
     assert all(isinstance(section, dict) for section in d.values())
+
+
+def test_importing_the_config_does_not_import_torch():
+    code = "import moerl.config, moerl.train.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ------------------------------------------------------------------- train.loss and train.optim
+# a valid, non-default value for every field of the two sections (a new field must be added here)
+NON_DEFAULT = {
+    "loss": {"clip_eps_low": 0.1, "clip_eps_high": 0.3, "is_correction": "mask", "is_cap": 3.0, "is_mask_low": 0.25,
+             "kl_coef": 0.05, "aggregation": "seq-mean-token-sum", "normalize_adv_std": False, "entropy_coef": 0.01},
+    "optim": {"lr": 3e-5, "weight_decay": 0.1, "betas": (0.8, 0.99), "grad_clip": 0.0, "warmup_steps": 10},
+}
+SECTIONS = {"loss": LossConfig, "optim": OptimConfig}
+REFUSED = {("loss", "kl_coef")}  # valid for the section, refused by the whole config (see the test below)
+
+
+def toml_literal(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(map(toml_literal, value)) + "]"
+    return repr(value)
+
+
+def test_train_defaults_are_unchanged():
+    train = MoerlConfig().train
+    assert train.optim == OptimConfig() and train.loss == LossConfig()
+    assert (train.optim.lr, train.optim.grad_clip) == (1e-4, 1.0)
+    assert (train.loss.clip_eps_low, train.loss.clip_eps_high, train.loss.is_correction, train.loss.is_cap,
+            train.loss.kl_coef, train.loss.normalize_adv_std) == (0.2, 0.28, "tis", 2.0, 0.0, True)
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_every_loss_and_optim_field_is_settable_from_file_and_command_line(tmp_path, section):
+    cls, values = SECTIONS[section], NON_DEFAULT[section]
+    assert set(values) == {f.name for f in dataclasses.fields(cls)}
+    for f in dataclasses.fields(cls):
+        value = values[f.name]
+        assert value != getattr(cls(), f.name), f.name  # really not the default
+        if (section, f.name) in REFUSED:
+            continue
+        expected = dataclasses.replace(cls(), **{f.name: value})
+        path = write(tmp_path, f"[train.{section}]\n{f.name} = {toml_literal(value)}\n")
+        from_file = getattr(load_config(path).train, section)
+        from_cli = getattr(load_config(None, [f"--train.{section}.{f.name}={toml_literal(value)}"]).train, section)
+        for got in (from_file, from_cli):
+            assert got == expected, f.name
+            assert type(getattr(got, f.name)) is type(value), f.name
+    settable = {k: v for k, v in values.items() if (section, k) not in REFUSED}
+    everything = load_config(None, [f"--train.{section}.{k}={toml_literal(v)}" for k, v in settable.items()])
+    assert getattr(everything.train, section) == cls(**settable)
+
+
+def test_kl_coef_is_refused_until_the_trainer_keeps_a_reference_policy():
+    with pytest.raises(ConfigError, match=r"'train.loss.kl_coef' must be 0: the trainer keeps no reference policy"):
+        load_config(None, ["--train.loss.kl_coef=0.05"])
+
+
+def test_betas_is_a_pair_of_floats(tmp_path):
+    betas = load_config(None, ["--train.optim.betas=[0.9, 0.99]"]).train.optim.betas
+    assert betas == (0.9, 0.99) and type(betas) is tuple and all(type(b) is float for b in betas)
+    assert load_config(None, ["--train.optim.betas=[0, 0.5]"]).train.optim.betas == (0.0, 0.5)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--train.optim.betas=[0.9, 0.99, 0.999]"])
+    assert str(err.value) == ("config key 'train.optim.betas' expects exactly 2 items (tuple[float, float]), "
+                              "got 3 from the command line")
+    path = write(tmp_path, "[train.optim]\nbetas = [0.9]\n")
+    with pytest.raises(ConfigError, match=r"'train.optim.betas' expects exactly 2 items .*got 1 from "):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"'train.optim.betas\[1\]' expects float, got 'x' \(str\)"):
+        load_config(None, ['--train.optim.betas=[0.9, "x"]'])
+
+
+@pytest.mark.parametrize("old,new", sorted(MOVED_KEYS.items()))
+def test_old_flat_train_keys_name_their_new_place(tmp_path, old, new):
+    assert old.startswith("train.") and new.startswith(("train.loss.", "train.optim."))
+    assert new.rsplit(".", 1)[1] in {f.name for f in dataclasses.fields(SECTIONS[new.split(".")[1]])}
+    path = write(tmp_path, f"[train]\n{old.split('.', 1)[1]} = 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"config key {old!r} has moved to {new!r} (in {path})"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"--{old}=1"])
+    assert str(err.value) == f"config key {old!r} has moved to {new!r} (on the command line)"
+    with pytest.raises(ConfigError, match=f"has moved to {new!r}"):
+        load_config(None, [f"--{old.replace('_', '-')}=1"])  # dashed spelling
+
+
+def test_loss_and_optim_checks_name_the_full_key(tmp_path):
+    cases = {
+        "--train.optim.lr=0": "config key 'train.optim.lr' must be a finite number > 0, got 0.0",
+        "--train.optim.lr=inf": "config key 'train.optim.lr' must be a finite number > 0, got inf",
+        "--train.optim.weight_decay=-0.1": "config key 'train.optim.weight_decay' must be >= 0, got -0.1",
+        "--train.optim.betas=[0.9, 1.0]":
+            "config key 'train.optim.betas' must be two numbers, each in [0, 1), got (0.9, 1.0)",
+        "--train.optim.grad_clip=-1": "config key 'train.optim.grad_clip' must be >= 0 (0 = off), got -1.0",
+        "--train.optim.warmup_steps=-1": "config key 'train.optim.warmup_steps' must be an integer >= 0, got -1",
+        "--train.loss.is_cap=0.5":
+            "config key 'train.loss.is_cap' must be >= 1 (on-policy weight 1 must pass), got 0.5",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert str(err.value) == message
+    path = write(tmp_path, "[train.optim]\nlr = 0\n")
+    with pytest.raises(ConfigError, match=r"^config key 'train.optim.lr' must be a finite number > 0, got 0.0$"):
+        load_config(path)
+    path = write(tmp_path, '[train.loss]\naggregation = "bogus"\n')
+    with pytest.raises(ConfigError, match=r"^config key 'train.loss.aggregation' expects one of 'token-mean', "):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^config key 'train.loss.aggregation' expects one of .*'bogus'"):
+        load_config(None, ["--train.loss.aggregation=bogus"])
+
+
+def test_dump_load_round_trip_of_non_default_loss_and_optim(tmp_path):
+    settable = {section: {k: v for k, v in values.items() if (section, k) not in REFUSED}
+                for section, values in NON_DEFAULT.items()}
+    overrides = [f"--train.{section}.{k}={toml_literal(v)}" for section, values in settable.items()
+                 for k, v in values.items()]
+    cfg = load_config(DEMO, overrides)
+    assert cfg.train.loss == LossConfig(**settable["loss"])
+    assert cfg.train.optim == OptimConfig(**settable["optim"])
+    text = dump_toml(cfg)
+    assert "[train.optim]\n" in text and "betas = [0.8, 0.99]" in text
+    assert load_config(write(tmp_path, text)) == cfg

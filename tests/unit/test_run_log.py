@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerl.orchestration import run_log as run_log_mod
-from moerl.orchestration.progress import Progress, format_duration, format_line
-from moerl.orchestration.run_log import RunLog, read_expert_load, read_jsonl
+from moerl.runlog import run_log as run_log_mod
+from moerl.runlog.progress import Progress, format_duration, format_line
+from moerl.runlog.run_log import RunLog, read_expert_load, read_jsonl
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -266,7 +266,7 @@ def fake_run(run_dir: Path, steps: int = 20, layers: int = 6, experts: int = 16)
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib not installed")
 def test_plots_for_a_20_step_run(tmp_path: Path) -> None:
-    from moerl.orchestration.plots import write_plots
+    from moerl.runlog.plots import write_plots
 
     fake_run(tmp_path)
     with warnings.catch_warnings():
@@ -284,7 +284,7 @@ def test_plots_for_a_20_step_run(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib not installed")
 def test_plots_for_a_1_step_run_with_missing_keys(tmp_path: Path) -> None:
-    from moerl.orchestration.plots import write_plots
+    from moerl.runlog.plots import write_plots
 
     with RunLog(tmp_path, tensorboard=False) as log:
         log.log_step(1, {"reward/mean": 0.5, "staleness/mean": float("nan")})
@@ -307,7 +307,7 @@ def test_plots_for_a_1_step_run_with_missing_keys(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib not installed")
 def test_plots_after_a_resume_and_a_crash(tmp_path: Path) -> None:
-    from moerl.orchestration.plots import write_plots
+    from moerl.runlog.plots import write_plots
 
     fake_run(tmp_path, steps=6)
     with RunLog(tmp_path, tensorboard=False, resume=True) as log:  # redo steps 5-6 (last line wins)

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from moerl.orchestration.work_queue import GroupTask, WorkQueue
+from moerl.loop.types import GroupTask
+from moerl.loop.work_queue import WorkQueue
 
 TIMEOUT = 10.0
 

@@ -77,22 +77,10 @@ class TrainerRank:
         return self.trainer.rl_step(self._batch(samples))
 
     def publish(self, bucket_bytes: int) -> list:
-        """Put this rank's weights in the object store in buckets of about `bucket_bytes` (not one object)."""
-        import ray
+        """This rank's share of the weights as object-store buckets (moerl/actors/weight_sync.py)."""
+        from moerl.actors.weight_sync import publish_buckets
 
-        blocks = self.trainer.model.moe_blocks
-        offset = blocks[0].dispatcher.expert_offset if blocks and self.spec.ep_size > 1 else None
-        buckets, current, size = [], [], 0
-        for name, tensor in self.trainer.publish_state().items():
-            is_expert = self.spec.ep_size > 1 and ".experts." in name
-            current.append((name, tensor, offset if is_expert else None))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                buckets.append(ray.put(current))
-                current, size = [], 0
-        if current:
-            buckets.append(ray.put(current))
-        return buckets
+        return publish_buckets(self.trainer, self.spec.ep_size > 1, bucket_bytes)
 
     def save_state(self, path: str, use_async: bool) -> None:
         """Start saving this rank's share (DCP through fsspec); async returns once the state is staged."""

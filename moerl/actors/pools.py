@@ -1,4 +1,5 @@
-"""The Ray side of the controller: the trainer group and the pool of rollout workers.
+"""The Ray side of the loop: the trainer ranks (`RayTrainerGroup`) and the rollout workers (`RayRolloutPool`),
+implementing the loop's `TrainerGroup` and `RolloutPool` Protocols (moerl/loop/types.py).
 
 Placement: when the cluster has nodes with a `rollout` resource (spot capacity), rollout workers ask for a
 sliver of it and land there, and the trainer ranks are pinned to nodes without it; on one machine both share it.
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from moerl.orchestration.rollout_worker import GroupResult, RolloutWorker, WorkerSpec
-from moerl.orchestration.trainer_actor import TrainerRank, TrainerSpec
-from moerl.orchestration.work_queue import GroupTask, WorkQueue
+from moerl.actors.rollout_worker import RolloutWorker, WorkerSpec
+from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
+from moerl.loop.types import GroupResult, GroupTask
+from moerl.loop.work_queue import WorkQueue
 
 
 def _free_port(host: str) -> int:
@@ -29,7 +31,7 @@ def _has_rollout_nodes() -> bool:
     return any(n["Alive"] and n["Resources"].get("rollout", 0) > 0 for n in ray.nodes())
 
 
-class TrainerGroup:
+class RayTrainerGroup:
     """N trainer ranks forming one torch.distributed group; a step is one call on every rank."""
 
     def __init__(self, spec: TrainerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float) -> None:
@@ -73,9 +75,6 @@ class TrainerGroup:
     def start_rl_step(self, samples: list) -> list:
         return [r.rl_step.remote(s) for r, s in zip(self.ranks, self.shard(samples, len(self.ranks)))]
 
-    def rl_step(self, samples: list) -> dict:
-        return self.result(self.start_rl_step(samples), "rl")
-
     @staticmethod
     def pending(refs: list) -> list:
         """The ranks' step refs not finished yet."""
@@ -95,17 +94,6 @@ class TrainerGroup:
                                "(straggler or hang; the others wait in a collective)")
         return ray.get(refs)[0]
 
-    def start_publish(self, bucket_bytes: int = 32 << 20) -> list:
-        """Every rank puts its weights in the object store (calls queue on the ranks in order)."""
-        return [r.publish.remote(bucket_bytes) for r in self.ranks]
-
-    def published(self, refs: list) -> list:
-        """The bucket refs of a `start_publish`, all ranks' together."""
-        return [ref for rank_refs in ray.get(refs, timeout=self.timeout_s) for ref in rank_refs]
-
-    def publish(self, bucket_bytes: int = 32 << 20) -> list:
-        return self.published(self.start_publish(bucket_bytes))
-
 
 @dataclass
 class _Worker:
@@ -117,7 +105,7 @@ class _Worker:
     started: bool = False  # answered a ping: its actor is placed and built (capacity allowed it)
 
 
-class WorkerPool:
+class RayRolloutPool:
     """M rollout workers; dead ones are removed and replaced while capacity allows."""
 
     def __init__(self, spec: WorkerSpec, target: int, cpus_per_worker: float, gpus_per_worker: float,
@@ -134,7 +122,7 @@ class WorkerPool:
         self.cls, self.options = ray.remote(RolloutWorker), options
         self.workers: dict[str, _Worker] = {}
         self._ids = itertools.count()
-        self._weights: tuple[list, int] | None = None
+        self.weights = None  # the run's ObjectStoreWeightSync: brings a worker that starts late up to date
         for _ in range(target):
             self._spawn()
 
@@ -214,9 +202,8 @@ class WorkerPool:
                     w.ping_ref = None
                     if not w.started:  # up: it takes work once it holds the newest weights
                         version = answer["version"] if isinstance(answer, dict) else answer
-                        if self._weights is not None and version < self._weights[1]:
-                            w.ping_ref = w.handle.update_weights.remote(self._weights[1], self._weights[0])
-                        else:
+                        w.ping_ref = self.weights.catch_up(w.handle, version) if self.weights is not None else None
+                        if w.ping_ref is None:
                             w.started, self._start_failures = True, 0
             if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
                 w.ping_ref = w.handle.ping.remote()
@@ -250,13 +237,6 @@ class WorkerPool:
             w.leaving = True
             w.handle.preempt.remote("run shutdown")
 
-    def broadcast_weights(self, shard_refs: list, version: int, wait: bool = False) -> None:
-        self._weights = (shard_refs, version)
-        # Workers still starting get the newest weights when they are up, not a backlog of versions.
-        refs = [w.handle.update_weights.remote(version, shard_refs) for w in self.workers.values() if w.started]
-        if wait:
-            for ref in refs:
-                try:
-                    ray.get(ref, timeout=self.heartbeat_timeout_s)
-                except (ray.exceptions.RayError, TimeoutError):
-                    pass  # a dead worker is found by the heartbeat
+    def started_handles(self) -> list:
+        """The actor handles of the workers that are up (the ones new weights go to)."""
+        return [w.handle for w in self.workers.values() if w.started]

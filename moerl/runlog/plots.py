@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from moerl.orchestration.run_log import EXPERT_LOAD_SOURCES, METRICS_FILE, read_expert_load, read_jsonl
+from moerl.runlog.run_log import EXPERT_LOAD_SOURCES, METRICS_FILE, read_expert_load, read_jsonl
 
 REWARD_KEY = "reward/mean"
 EVAL_REWARD_KEY = "eval/reward"

@@ -1,4 +1,6 @@
-"""`moerl train CONFIG [--dotted.key=value ...]`: build the parts from the config and run the RL loop on Ray.
+"""`moerl train CONFIG [--dotted.key=value ...]`: the one composition root. It builds every part from the
+config (task, model architecture, the Ray trainer group and rollout pool, weight sync, checkpoints, the run
+log) and hands them to the loop's Controller.
 
     moerl train configs/demo.toml --train.steps=20 --rollout.num_workers=3
 
@@ -19,8 +21,7 @@ from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, tiny_config
 from moerl.rollout import EngineConfig, SamplingParams
 from moerl.tasks.base import Task, load_task
-from moerl.train.loss import LossConfig
-from moerl.train.trainer import OptimConfig, Sample
+from moerl.train.trainer import Sample
 
 
 def model_architecture(cfg: MoerlConfig, task: Task) -> MoEModelConfig:
@@ -48,8 +49,8 @@ def resolve_device(cfg: MoerlConfig) -> str:
 
 
 def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
-    from moerl.orchestration.rollout_worker import WorkerSpec
-    from moerl.orchestration.trainer_actor import TrainerSpec
+    from moerl.actors.rollout_worker import WorkerSpec
+    from moerl.actors.trainer_actor import TrainerSpec
 
     device = resolve_device(cfg)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -58,14 +59,12 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
     engine = EngineConfig(max_batch_size=cfg.rollout.max_batch_size, max_seq_len=cfg.rollout.max_seq_len,
                           deterministic=cfg.run.deterministic, seed=cfg.run.seed)
     t = cfg.train
-    loss = LossConfig(clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, is_correction=t.is_correction,
-                      is_cap=t.is_cap, kl_coef=t.kl_coef, normalize_adv_std=t.normalize_adv_std)
     worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),
                         seed=cfg.run.seed, threads=cfg.rollout.threads, grace_s=cfg.rollout.grace_s,
                         imds_url=cfg.rollout.imds_url)
     trainer = TrainerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
-                          optim=OptimConfig(lr=t.lr, grad_clip=t.grad_clip), loss=loss, ep_size=cfg.ep.size,
+                          optim=t.optim, loss=t.loss, ep_size=cfg.ep.size,
                           dispatcher=cfg.model.dispatcher, routing_replay=cfg.model.routing_replay,
                           aux_loss_coef=cfg.model.router_aux_loss_coef,
                           expert_bias_rate=cfg.model.expert_bias_update_rate,
@@ -88,13 +87,37 @@ def warm_start(trainer, task: Task, cfg: MoerlConfig, log) -> None:
             samples.append(Sample(prompt_ids, target_ids, [0.0] * len(target_ids), 0.0, None))
         metrics = trainer.sft_step(samples)
         log(step, metrics)
-    trainer.set_lr(cfg.train.lr)
+    trainer.set_lr(cfg.train.optim.lr)
 
 
 def _fingerprint(cfg: MoerlConfig, arch: MoEModelConfig) -> dict:
     """What a checkpoint must agree on with the config that resumes it (checked before anything runs)."""
     return {"architecture": {k: v for k, v in arch.to_hf_dict().items() if k not in ("bos_token_id", "pad_token_id")},
             "ep_size": cfg.ep.size, "num_ranks": cfg.train.num_ranks, "task": cfg.task.name}
+
+
+def _init_ray(cfg: MoerlConfig) -> bool:
+    """Join `ray.address` (or RAY_ADDRESS), else start a private local Ray on 127.0.0.1; True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance on 127.0.0.1
+    init = {"address": address} if address else {
+        "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+    ray.init(**init, log_to_driver=cfg.run.log_level == "debug", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    return True
+
+
+def _loop_config(cfg: MoerlConfig):
+    from moerl.loop.controller import LoopConfig
+
+    return LoopConfig(steps=cfg.train.steps, batch_groups=cfg.train.batch_groups, group_size=cfg.rollout.group_size,
+                      max_staleness=cfg.train.max_staleness, mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
+                      max_inflight_per_worker=cfg.rollout.max_inflight_groups, deterministic=cfg.run.deterministic,
+                      checkpoint_every=cfg.checkpoint.every)
 
 
 def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
@@ -104,32 +127,24 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     state, in-flight work included); SIGTERM to this process saves a checkpoint and stops cleanly."""
     import ray
 
-    from moerl.orchestration.controller import Controller, LoopConfig
-    from moerl.orchestration.plots import write_plots
-    from moerl.orchestration.pools import TrainerGroup, WorkerPool
-    from moerl.orchestration.progress import Progress
-    from moerl.orchestration.run_log import RunLog
-    from moerl.orchestration.samples import SampleBuilder
-    from moerl.orchestration.work_queue import WorkQueue
+    from moerl.actors.checkpointer import Checkpointer
+    from moerl.actors.pools import RayRolloutPool, RayTrainerGroup
+    from moerl.actors.weight_sync import ObjectStoreWeightSync
+    from moerl.loop.controller import Controller
+    from moerl.loop.samples import SampleBuilder
+    from moerl.loop.work_queue import WorkQueue
+    from moerl.runlog.plots import write_plots
+    from moerl.runlog.progress import Progress
+    from moerl.runlog.run_log import RunLog
 
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = load_task(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
     arch = model_architecture(cfg, task)
     worker_spec, trainer_spec = _specs(cfg, arch, task)
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        if not address:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance on 127.0.0.1
-        init = {"address": address} if address else {
-            "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-        ray.init(**init, log_to_driver=cfg.run.log_level == "debug",
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    started_ray = _init_ray(cfg)
     if cfg.run.deterministic:
         cfg.train.mode = "sync"  # deterministic = sync, fixed seeds, batches in task order (docs/checkpoints.md)
-    from moerl.orchestration.checkpointer import Checkpointer
-
     checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch))
     if resume and checkpointer.latest() is None:
         raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")
@@ -142,22 +157,19 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     t_start = time.monotonic()
     last: dict = {}
     try:
-        trainer = TrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
+        trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
         restored = checkpointer.restore(trainer) if resume else None
         if restored is None:
             warm_start(trainer, task, cfg, lambda s, m: log.log_step(-cfg.train.sft_steps + s, _scalars(m, "sft/")))
         queue = WorkQueue(lease_timeout=cfg.rollout.lease_timeout_s, max_attempts=cfg.rollout.max_attempts)
-        workers = WorkerPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
-                             cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s, cfg.rollout.heartbeat_timeout_s)
-        builder = SampleBuilder(task, cfg.train.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
-        loop = LoopConfig(steps=cfg.train.steps, batch_groups=cfg.train.batch_groups,
-                          group_size=cfg.rollout.group_size, max_staleness=cfg.train.max_staleness,
-                          mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
-                          max_inflight_per_worker=cfg.rollout.max_inflight_groups,
-                          deterministic=cfg.run.deterministic)
+        workers = RayRolloutPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
+                                 cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s,
+                                 cfg.rollout.heartbeat_timeout_s)
+        weights = ObjectStoreWeightSync(trainer, workers)
+        builder = SampleBuilder(task, cfg.train.loss.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
         samples_seen = [0]
 
-        def on_step(step: int, metrics: dict, rows: list[dict], batch) -> None:
+        def on_step(step: int, metrics: dict, rows: list[dict]) -> None:
             elapsed = time.monotonic() - t_start
             samples_seen[0] += metrics.get("samples", 0)
             metrics["throughput/samples_per_s"] = samples_seen[0] / elapsed
@@ -170,15 +182,15 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
             last.clear()
             last.update(scalars)
 
-        controller = Controller(loop, queue, workers, trainer, builder, on_step, checkpointer=checkpointer,
-                                checkpoint_every=cfg.checkpoint.every, stop_requested=stop.is_set)
+        controller = Controller(_loop_config(cfg), task, queue, workers, trainer, weights, builder, on_step,
+                                checkpoints=checkpointer, stop_requested=stop.is_set)
         if restored is not None:
             controller.load_state_dict(restored[1])
             progress.message(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}")
         state = controller.run()
         last["elapsed_s"] = time.monotonic() - t_start
-        return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(), "metrics": dict(last), "queue": queue.stats(),
-                "failed_tasks": [t.task_id for t in queue.failed]}
+        return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(),
+                "metrics": dict(last), "queue": queue.stats(), "failed_tasks": [t.task_id for t in queue.failed]}
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)

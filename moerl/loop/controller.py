@@ -1,26 +1,29 @@
-"""The controller (the Ray driver): work queue, staleness gate, policy version, weight sync, metrics.
+"""The controller (the Ray driver's loop): work queue, staleness gate, policy version, weight sync, metrics.
 
-    prompts ──> WorkQueue ──lease──> RolloutWorker x M (Ray actors, maybe spot)
+    prompts ──> WorkQueue ──lease──> RolloutPool (M workers, maybe spot)
                    ^  │  hand back partials (preempted) / worker lost / lease expired: back to the front
                    │  └──────────── finished group ──> ready buffer ──staleness filter──> TrainerGroup (N ranks)
                    │                                                                       │ optimizer step
-                   └─────────── new weights (version v+1, object-store buckets) <──────────┘
+                   └─────────── new weights (version v+1, WeightSync) <────────────────────┘
 
 What blocks what (async mode): rollout never waits for training; a group is leased only while
 `groups leased so far < (version + max_staleness + 1) * batch_groups`, which bounds how old a trained
 sample's oldest token can be. Training waits for `batch_groups` finished groups. In sync mode the two
 alternate exactly: lease one batch, wait for it, train, publish, repeat.
+
+No Ray here: the parts are typed by the Protocols of moerl/loop/types.py (moerl/actors implements them).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from moerl.orchestration.pools import TrainerGroup, WorkerPool
-from moerl.orchestration.rollout_worker import GroupResult
-from moerl.orchestration.samples import SampleBuilder
-from moerl.orchestration.work_queue import GroupTask, WorkQueue
+from moerl.loop.samples import SampleBuilder
+from moerl.loop.types import Checkpoints, GroupResult, GroupTask, RolloutPool, StepInFlight, TrainerGroup, WeightSync
+from moerl.loop.work_queue import WorkQueue
+from moerl.tasks.base import Task
 
 
 @dataclass
@@ -34,6 +37,7 @@ class LoopConfig:
     max_inflight_per_worker: int
     poll_s: float = 0.05
     deterministic: bool = False  # batches in task-id order, so the optimizer sees the same sample order
+    checkpoint_every: int = 0  # save every N steps (with a Checkpoints part); 0 = only on a graceful stop
 
 
 @dataclass
@@ -51,31 +55,32 @@ class LoopState:
 
 
 class Controller:
-    def __init__(self, cfg: LoopConfig, queue: WorkQueue, workers: WorkerPool, trainer: TrainerGroup,
-                 builder: SampleBuilder, on_step, checkpointer=None, checkpoint_every: int = 0,
-                 stop_requested=None) -> None:
-        self.cfg, self.queue, self.workers, self.trainer = cfg, queue, workers, trainer
-        self.builder, self.on_step = builder, on_step
+    def __init__(self, cfg: LoopConfig, task: Task, queue: WorkQueue, workers: RolloutPool, trainer: TrainerGroup,
+                 weights: WeightSync, builder: SampleBuilder, on_step: Callable[[int, dict, list[dict]], None],
+                 checkpoints: Checkpoints | None = None, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        self.cfg, self.task, self.queue, self.workers, self.trainer = cfg, task, queue, workers, trainer
+        self.weights, self.builder, self.on_step = weights, builder, on_step
+        self.checkpoints = checkpoints
+        self.stop_requested = stop_requested  # graceful shutdown (SIGTERM to the driver)
         self.state = LoopState()
-        self.inflight: dict = {}  # ObjectRef -> (worker_id, task_id)
-        self.training: tuple | None = None  # (step refs, batch, built samples, started at) while a step runs
-        self.checkpointer, self.checkpoint_every = checkpointer, checkpoint_every
-        self.stop_requested = stop_requested or (lambda: False)  # graceful shutdown (SIGTERM to the driver)
+        self.inflight: dict = {}  # worker call ref -> (worker_id, task_id)
+        self.training: StepInFlight | None = None
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
-        self.workers.broadcast_weights(self.trainer.publish(), self.state.version, wait=True)
+        self.weights.publish(self.state.version)
+        self.weights.deliver(wait=True)
         while self.state.step < self.cfg.steps:
             if self.stop_requested():
                 self._graceful_stop()
                 break
-            if self.checkpointer is not None:
-                self.checkpointer.poll()
+            if self.checkpoints is not None:
+                self.checkpoints.poll()
             self._lease_and_dispatch()
             self._try_start_training()
             self._collect(timeout=self.cfg.poll_s)  # wakes on a finished group or the end of the step
             self._check_workers()
-            if self.training is not None and self.trainer.done(self.training[0]):
+            if self.training is not None and self.trainer.done(self.training.handle):
                 self._finish_training()
             self._try_start_training()
         return self.state
@@ -106,17 +111,20 @@ class Controller:
                 ref = self.workers.dispatch(worker_id, task)
                 self.inflight[ref] = (worker_id, task.task_id)
 
+    def _new_task(self, task_id: str | None, index: int) -> GroupTask:
+        """Prompt `index` x group_size samples; task_id None = the task's own id for the prompt."""
+        prompt = self.task.prompt_at(index)
+        size = self.cfg.group_size
+        return GroupTask(task_id=task_id or prompt.task_id, prompt_index=index,
+                         prompt_token_ids=prompt.prompt_token_ids, group_size=size, partials=[None] * size)
+
     def _add_next_prompt(self) -> None:
-        index = self.state.next_prompt_index
-        prompt = self.builder.task.prompt_at(index)
-        self.queue.add(GroupTask(task_id=prompt.task_id, prompt_index=index,
-                                 prompt_token_ids=prompt.prompt_token_ids, group_size=self.cfg.group_size,
-                                 partials=[None] * self.cfg.group_size))
+        self.queue.add(self._new_task(None, self.state.next_prompt_index))
         self.state.next_prompt_index += 1
         self.state.leased_total += 1
 
     def _collect(self, timeout: float) -> None:
-        wake = self.trainer.pending(self.training[0]) if self.training is not None else []
+        wake = self.trainer.pending(self.training.handle) if self.training is not None else []
         for ref, result, error in self.workers.wait(self.inflight, timeout, also=wake):
             entry = self.inflight.pop(ref, None)
             if entry is None:  # dropped already: its worker was declared lost earlier in this batch
@@ -165,7 +173,8 @@ class Controller:
             oldest = min((min(c.versions) for c in result.completions if c.versions), default=self.state.version)
             if self.state.version - oldest > self.cfg.max_staleness:
                 if self.cfg.stale_policy == "regenerate":
-                    self.queue.add(self.builder.fresh_task(result.task_id, self.cfg.group_size))
+                    # A new id (the queue completes an id once); the same prompt, generated from scratch.
+                    self.queue.add(self._new_task(f"{result.task_id}-r", result.prompt_index))
                     self.state.counters["stale_regenerated"] += 1
                 else:
                     self.state.counters["stale_dropped"] += 1
@@ -182,39 +191,38 @@ class Controller:
     def _start_training(self, batch: list[GroupResult]) -> None:
         samples, rows, stats = self.builder.build(batch, self.state.step, self.state.version)
         self.state.counters["samples_failed"] += stats["samples_failed"]
-        self.training = (self.trainer.start_rl_step(samples), batch, (samples, rows, stats), time.monotonic())
+        self.training = StepInFlight(self.trainer.start_rl_step(samples), batch, samples, rows, stats,
+                                     time.monotonic())
 
     def _finish_training(self) -> None:
-        refs, batch, (samples, rows, stats), t0 = self.training
-        self.training = None
-        metrics = self.trainer.result(refs, self.state.step)
+        step, self.training = self.training, None
+        metrics = self.trainer.result(step.handle, self.state.step)
         self.state.version += 1
         self.state.step += 1
-        publishing = self.trainer.start_publish()
+        self.weights.publish(self.state.version)
         if self.cfg.mode == "async" and not self._checkpoint_due():
             # The next step queues on the trainer right behind the publish: the trainer does not idle while
             # this process logs, leases and collects. (Not before a checkpoint: it saves this step's state.)
             self._try_start_training()
         # Sync mode waits until every worker holds the new weights before it leases the next batch.
-        self.workers.broadcast_weights(self.trainer.published(publishing), self.state.version,
-                                       wait=self.cfg.mode == "sync")
-        self.state.counters["samples_trained"] += len(samples)
-        metrics.update(stats)
-        metrics["time/train_s"] = time.monotonic() - t0
+        self.weights.deliver(wait=self.cfg.mode == "sync")
+        self.state.counters["samples_trained"] += len(step.samples)
+        metrics.update(step.stats)
+        metrics["time/train_s"] = time.monotonic() - step.started_at
         metrics.update({f"queue/{k}": v for k, v in self.queue.stats().items()})
         metrics["queue/pending"] = self.queue.pending()
         metrics.update({f"count/{k}": v for k, v in self.state.counters.items()})
         metrics["workers/alive"], metrics["workers/target"] = self.workers.alive(), self.workers.target
-        self.on_step(self.state.step, metrics, rows, batch)
+        self.on_step(self.state.step, metrics, step.rows)
         if self._checkpoint_due():
             self.save_checkpoint()
-        if self.checkpointer is not None and self.state.step == self.cfg.steps:
-            self.checkpointer.wait()
+        if self.checkpoints is not None and self.state.step == self.cfg.steps:
+            self.checkpoints.wait()
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_due(self) -> bool:
-        return (self.checkpointer is not None and self.checkpoint_every > 0
-                and self.state.step % self.checkpoint_every == 0)
+        return (self.checkpoints is not None and self.cfg.checkpoint_every > 0
+                and self.state.step % self.cfg.checkpoint_every == 0)
 
     def state_dict(self) -> dict:
         """Everything the controller owns, in-flight work included (leases become pending on load)."""
@@ -231,7 +239,7 @@ class Controller:
         self.state.leased_total = min(self.state.leased_total, self.state.next_prompt_index)
 
     def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.state.step, self.trainer, self.state_dict())
+        self.checkpoints.save(self.state.step, self.trainer, self.state_dict())
 
     def _graceful_stop(self) -> None:
         """Preempt every worker so in-flight groups come back as partials, then save and stop."""
@@ -240,9 +248,9 @@ class Controller:
         while self.inflight and time.monotonic() < deadline:
             self._collect(timeout=0.2)
         if self.training is not None:  # let a running optimizer step finish: it is part of the state
-            while not self.trainer.done(self.training[0]):
+            while not self.trainer.done(self.training.handle):
                 time.sleep(0.05)
             self._finish_training()
-        if self.checkpointer is not None:
+        if self.checkpoints is not None:
             self.save_checkpoint()
-            self.checkpointer.wait()
+            self.checkpoints.wait()

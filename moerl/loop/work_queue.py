@@ -20,43 +20,13 @@ block at the front. Completed ids are remembered forever, so no id is completed 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from moerl.loop.types import GroupTask
 
 STATE_VERSION = 1
 COUNTERS = ("completed", "handed_back", "expired", "lost", "retried", "failed")
-
-
-@dataclass
-class GroupTask:
-    """One prompt x `group_size` samples. `partials[i]` is None or an opaque partial completion."""
-
-    task_id: str
-    prompt_index: int
-    prompt_token_ids: list[int]
-    group_size: int
-    partials: list[Any | None] = field(default_factory=list)
-    attempts: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise ValueError(f"task {self.task_id!r}: group_size must be >= 1, got {self.group_size}")
-        if not self.partials:
-            self.partials = [None] * self.group_size
-        if len(self.partials) != self.group_size:
-            raise ValueError(f"task {self.task_id!r}: {len(self.partials)} partials for group_size {self.group_size}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able except the partials, which are kept as given (the checkpoint layer handles them)."""
-        return {"task_id": self.task_id, "prompt_index": self.prompt_index,
-                "prompt_token_ids": list(self.prompt_token_ids), "group_size": self.group_size,
-                "partials": list(self.partials), "attempts": self.attempts, "errors": list(self.errors)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GroupTask:
-        return cls(d["task_id"], int(d["prompt_index"]), list(d["prompt_token_ids"]), int(d["group_size"]),
-                   list(d["partials"]), int(d["attempts"]), list(d["errors"]))
 
 
 @dataclass

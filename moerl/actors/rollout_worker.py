@@ -1,6 +1,6 @@
 """The rollout worker: one engine, generates and scores prompt groups, hands work back on preemption.
 
-Runs as a threaded Ray actor named `RolloutWorker` (see controller.py): `__init__` runs on the process's main
+Runs as a threaded Ray actor named `RolloutWorker` (see pools.py): `__init__` runs on the process's main
 thread, where the SIGTERM handler goes (Kubernetes sends SIGTERM on a spot drain); an optional thread polls
 the EC2 IMDS `spot/instance-action` notice every 5 s. On either, the worker stops taking groups, aborts its
 in-flight requests, returns their partial completions (status "preempted") so the controller re-queues them
@@ -17,16 +17,17 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from moerl.actors import weight_sync
+from moerl.actors.engine_thread import EngineThread
+from moerl.loop.types import GroupResult, GroupTask
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
-from moerl.orchestration.engine_thread import EngineThread
-from moerl.orchestration.work_queue import GroupTask
-from moerl.rollout import Completion, Engine, EngineConfig, SamplingParams
+from moerl.rollout import Engine, EngineConfig, SamplingParams
 from moerl.tasks.base import load_task, safe_reward
 
 
@@ -48,18 +49,6 @@ class WorkerSpec:
     imds_url: str = ""  # e.g. http://169.254.169.254/latest/meta-data/spot/instance-action; "" = off
     imds_interval_s: float = 5.0
     group_timeout_s: float = 600.0
-
-
-@dataclass
-class GroupResult:
-    task_id: str
-    worker_id: str
-    status: Literal["ok", "preempted", "error"]
-    completions: list[Completion] = field(default_factory=list)
-    rewards: list[float | None] = field(default_factory=list)
-    reward_errors: list[str | None] = field(default_factory=list)
-    error: str | None = None
-    seconds: float = 0.0
 
 
 def sample_seed(run_seed: int, task_id: str, index: int) -> int:
@@ -94,11 +83,11 @@ class RolloutWorker:
             self._inflight_groups += 1
         try:
             if self.preempting.is_set():
-                return GroupResult(task.task_id, self.worker_id, "preempted", list(task.partials))
+                return GroupResult(task.task_id, task.prompt_index, self.worker_id, "preempted", list(task.partials))
             return self._run_group(task, t0)
         except Exception as e:  # noqa: BLE001 - a failed generation is reported, retried by the controller
-            return GroupResult(task.task_id, self.worker_id, "error", error=f"{type(e).__name__}: {e}",
-                               seconds=time.perf_counter() - t0)
+            return GroupResult(task.task_id, task.prompt_index, self.worker_id, "error",
+                               error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         finally:
             with self._lock:
                 self._inflight_groups -= 1
@@ -119,26 +108,24 @@ class RolloutWorker:
         for i, fut in enumerate(futures):
             completions.append(task.partials[i] if fut is None else fut.result(timeout=self.spec.group_timeout_s))
         if any(c.finish_reason == "abort" for c in completions):
-            return GroupResult(task.task_id, self.worker_id, "preempted", completions, seconds=time.perf_counter() - t0)
+            return GroupResult(task.task_id, task.prompt_index, self.worker_id, "preempted", completions,
+                               seconds=time.perf_counter() - t0)
         prompt = self.task.prompt_at(task.prompt_index)
         rewards, errors = [], []
         for c in completions:
             reward, err = safe_reward(self.task, prompt, c.token_ids)
             rewards.append(reward)
             errors.append(err)
-        return GroupResult(task.task_id, self.worker_id, "ok", completions, rewards, errors,
+        return GroupResult(task.task_id, task.prompt_index, self.worker_id, "ok", completions, rewards, errors,
                            seconds=time.perf_counter() - t0)
 
     def update_weights(self, version: int, shards: list[Any]) -> int:
-        """Load published weights (lists of (name, tensor, expert_offset) from the trainer ranks)."""
-        import ray
+        """Load published weights (moerl/actors/weight_sync.py); returns the version the engine holds."""
+        tensors = weight_sync.receive(shards)
 
-        tensors = []
-        for shard in shards:
-            tensors.extend(ray.get(shard) if isinstance(shard, ray.ObjectRef) else shard)
         def apply(engine: Engine) -> int:
             if version > engine.version:  # calls of a threaded actor may run out of order: never go back
-                apply_weights(engine, tensors, version)
+                weight_sync.apply_weights(engine, tensors, version)
             return engine.version
         return self.engine.call(apply)
 
@@ -184,17 +171,3 @@ class RolloutWorker:
             except OSError:
                 pass  # 404 (no notice) or unreachable: keep polling
             time.sleep(self.spec.imds_interval_s)
-
-
-@torch.no_grad()
-def apply_weights(engine: Engine, tensors: list[tuple[str, torch.Tensor, int | None]], version: int) -> None:
-    """Copy published tensors into the engine's model; expert slices land at their rank's expert offset."""
-    state = engine.model.state_dict()
-    full, slices = [], []
-    for name, tensor, offset in tensors:
-        (full if offset is None else slices).append((name, tensor, offset))
-    engine.update_weights([(n, t) for n, t, _ in full], version)
-    for name, tensor, offset in slices:
-        if name not in state:
-            raise KeyError(f"update_weights: unknown parameter {name!r}")
-        state[name][offset: offset + tensor.shape[0]].copy_(tensor)

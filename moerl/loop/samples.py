@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moerl.orchestration.rollout_worker import GroupResult
-from moerl.orchestration.work_queue import GroupTask
+from moerl.loop.types import GroupResult
 from moerl.tasks.base import Task
 from moerl.train.loss import group_advantages
 from moerl.train.trainer import Sample
@@ -15,13 +14,6 @@ class SampleBuilder:
     def __init__(self, task: Task, normalize_adv_std: bool, num_moe_layers: int, num_experts: int) -> None:
         self.task, self.normalize_adv_std = task, normalize_adv_std
         self.num_moe_layers, self.num_experts = num_moe_layers, num_experts
-
-    def fresh_task(self, task_id: str, group_size: int) -> GroupTask:
-        """A stale group's prompt, to be generated again from scratch (stale_policy = "regenerate")."""
-        index = int(task_id.rsplit("-", 1)[-1]) if task_id.rsplit("-", 1)[-1].isdigit() else 0
-        prompt = self.task.prompt_at(index)
-        return GroupTask(task_id=f"{task_id}-r", prompt_index=index, prompt_token_ids=prompt.prompt_token_ids,
-                         group_size=group_size, partials=[None] * group_size)
 
     def build(self, groups: list[GroupResult], step: int, version: int) -> tuple[list[Sample], list[dict], dict]:
         """Samples whose reward is known; a sample whose reward raised is failed and left out (never a zero)."""

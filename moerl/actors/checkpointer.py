@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import ray
 
-from moerl.checkpoint.controller_state import decode_controller_state, encode_controller_state
-from moerl.checkpoint.export import write_arch
-from moerl.checkpoint.storage import CheckpointStore
+from moerl.actors.pools import RayTrainerGroup
+from moerl.checkpoint import (
+    CONTROLLER_FILE, CheckpointStore, decode_controller_state, encode_controller_state, write_arch,
+)
+from moerl.loop.types import STATE_CLASSES
 from moerl.model.config import MoEModelConfig
-from moerl.orchestration.pools import TrainerGroup
-from moerl.orchestration.rollout_worker import GroupResult
-
-CONTROLLER_FILE = "controller.pt"
 
 
 class Checkpointer:
@@ -29,12 +27,12 @@ class Checkpointer:
         self.use_async = use_async
         self.pending: tuple[int, list] | None = None  # (step, trainer save refs) awaiting commit
 
-    def save(self, step: int, trainer: TrainerGroup, controller_state: dict) -> None:
+    def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
         self.wait()  # one upload at a time: commit the previous one first
         self.store.begin(step)
         trainer.save_state(f"{self.store.step_path(step)}/trainer", self.use_async)
         self.store.write_bytes(step, CONTROLLER_FILE,
-                               encode_controller_state(controller_state, extra_classes=(GroupResult,)))
+                               encode_controller_state(controller_state, classes=STATE_CLASSES))
         write_arch(self.store, step, self.arch)
         self.pending = (step, trainer.save_done())
         if not self.use_async:
@@ -60,7 +58,7 @@ class Checkpointer:
     def latest(self) -> int | None:
         return self.store.latest_step()
 
-    def restore(self, trainer: TrainerGroup) -> tuple[int, dict]:
+    def restore(self, trainer: RayTrainerGroup) -> tuple[int, dict]:
         step = self.store.latest_step()
         if step is None:
             raise FileNotFoundError(f"--resume: no committed checkpoint under {self.store.root!r}")
@@ -71,5 +69,5 @@ class Checkpointer:
             raise ValueError(f"--resume: checkpoint step {step} was written with another configuration: "
                              + ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items()))
         trainer.load_state(f"{self.store.step_path(step)}/trainer")
-        state = decode_controller_state(self.store.read_bytes(step, CONTROLLER_FILE), extra_classes=(GroupResult,))
+        state = decode_controller_state(self.store.read_bytes(step, CONTROLLER_FILE), classes=STATE_CLASSES)
         return step, state

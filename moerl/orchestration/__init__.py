@@ -1,1 +1,0 @@
-"""Orchestration: the controller's bookkeeping for rollout work (leases, retries, checkpointable queues)."""

@@ -1,0 +1,75 @@
+"""Config sections of training: the policy loss (`train.loss`) and the optimizer (`train.optim`).
+
+Torch-free (stdlib and `moerl.checks` only): `moerl.config` nests these dataclasses in `TrainConfig`, so they
+are loaded from TOML and `--train.loss.X=...` / `--train.optim.X=...` overrides like every other section, and
+handed as they are to `moerl.train.loss.policy_loss` and `moerl.train.trainer.PolicyTrainer`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from moerl.checks import require
+
+__all__ = ["Aggregation", "ISCorrection", "LossConfig", "OptimConfig"]
+
+ISCorrection = Literal["tis", "mask", "none"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class LossConfig:
+    clip_eps_low: float = 0.2  # PPO clip: ratio lower bound is 1 - clip_eps_low
+    clip_eps_high: float = 0.28  # PPO clip: ratio upper bound is 1 + clip_eps_high (DAPO clip-higher)
+    is_correction: ISCorrection = "tis"  # behaviour->proximal correction: truncate (tis), mask, or none
+    is_cap: float = 2.0  # TIS truncation cap; upper bound of the band kept by "mask"
+    is_mask_low: float = 0.5  # lower bound of the band kept by "mask"
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy; 0 = off
+    aggregation: Aggregation = "token-mean"  # how per-token losses are averaged
+    normalize_adv_std: bool = True  # GRPO: divide group-centred rewards by the group std
+    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
+
+    def validate(self) -> None:
+        """Raise ValueError (moerl.checks.CheckFailed) naming the offending field.
+
+        The messages leave out the value: the config loader appends ", got <value>" to them.
+        """
+        for name in ("clip_eps_low", "clip_eps_high", "is_cap", "is_mask_low", "kl_coef", "entropy_coef"):
+            require(_is_finite_number(getattr(self, name)), name, "must be a finite number")
+        require(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low", "must be in [0, 1)")
+        require(self.clip_eps_high >= 0.0, "clip_eps_high", "must be >= 0")
+        require(self.is_correction in get_args(ISCorrection), "is_correction",
+                f"must be one of {list(get_args(ISCorrection))}")
+        require(self.is_cap >= 1.0, "is_cap", "must be >= 1 (on-policy weight 1 must pass)")
+        require(0.0 <= self.is_mask_low <= 1.0, "is_mask_low", "must be in [0, 1]")
+        require(self.kl_coef >= 0.0, "kl_coef", "must be >= 0")
+        require(self.entropy_coef >= 0.0, "entropy_coef", "must be >= 0")
+        require(self.aggregation in get_args(Aggregation), "aggregation",
+                f"must be one of {list(get_args(Aggregation))}")
+        require(isinstance(self.normalize_adv_std, bool), "normalize_adv_std", "must be a bool")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4  # AdamW learning rate (the peak, reached after the warmup)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay; 0 = off
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2): decay of the gradient moment estimates
+    grad_clip: float = 1.0  # max global gradient norm; 0 = off (the trainer clips only when > 0)
+    warmup_steps: int = 0  # linear learning-rate warmup over this many optimizer steps; 0 = none
+
+    def validate(self) -> None:
+        """Raise ValueError (moerl.checks.CheckFailed) naming the offending field (the loader adds the value)."""
+        require(_is_finite_number(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
+        require(_is_finite_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        require(len(self.betas) == 2 and all(_is_finite_number(b) and 0 <= b < 1 for b in self.betas), "betas",
+                "must be two numbers, each in [0, 1)")
+        require(isinstance(self.grad_clip, (int, float)) and not isinstance(self.grad_clip, bool)
+                and self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 = off)")
+        require(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
+                and self.warmup_steps >= 0, "warmup_steps", "must be an integer >= 0")
