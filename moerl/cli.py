@@ -14,7 +14,8 @@ import importlib
 import sys
 
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
-           "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint"}
+           "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint",
+           "train": "moerl.bench.train"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -50,6 +51,8 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("checkpoint_dir", help="checkpoint.dir of the run: local path or s3://bucket/prefix")
     parser.add_argument("out_dir")
     parser.add_argument("--step", type=int, default=None, help="a committed step (default: latest)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="dtype of the written weights (default: the run's model.dtype)")
     args = parser.parse_args(argv)
     from moerl.checkpoint import CheckpointError, CheckpointStore, export_policy
 
@@ -59,7 +62,7 @@ def _export(argv: list[str]) -> int:
         print(f"error: {args.checkpoint_dir}: no committed checkpoint to export", file=sys.stderr)
         return 2
     try:
-        out = export_policy(args.checkpoint_dir, args.out_dir, step)
+        out = export_policy(args.checkpoint_dir, args.out_dir, step, dtype=args.dtype)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -61,7 +61,8 @@ class RunConfig:
 class ModelConfig:
     path: str = ""  # Hugging Face checkpoint directory; empty = random-init model from `preset`
     preset: str = "tiny"  # named architecture used when `path` is empty
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter and compute dtype
+    # the trainer's forward/backward dtype and the rollout engine's weights (master weights: train.master_dtype)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     dispatcher: Literal["auto", "local", "all_to_all", "symm_mem"] = "auto"  # MoE token dispatch backend
     capacity_factor: float = 0.0  # expert capacity as a multiple of the even share; 0 = dropless
     router_aux_loss_coef: float = 0.0  # weight of the router load-balancing auxiliary loss
@@ -125,6 +126,9 @@ class TrainConfig:
     gpus_per_rank: float = 0.0
     threads: int = 1  # torch threads per trainer rank
     collective_timeout_s: float = 300.0  # a rank silent this long in a step is named as the straggler
+    master_dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and AdamW state (compute: model.dtype)
+    micro_batch_tokens: int = 0  # positions per packed micro-batch (gradients accumulate); 0 = one per step
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping it
     loss: LossConfig = field(default_factory=LossConfig)  # the policy loss (moerl/train/loss.py)
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule
 
@@ -133,6 +137,7 @@ class TrainConfig:
         for name in ("batch_groups", "num_ranks"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        require(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 0 (0 = one micro-batch per step)")
 
 
 @dataclass
@@ -225,9 +230,12 @@ class MoerlConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def validate(self) -> None:
-        # the trainer's EP group is its whole group: experts are split over all ranks or none
-        require(self.ep.size in (1, self.train.num_ranks), "ep.size",
-                f"must be 1 or train.num_ranks ({self.train.num_ranks})")
+        # EP groups tile the trainer ranks: experts split over ep.size ranks, replicated (FSDP-sharded) over the rest
+        require(self.train.num_ranks % self.ep.size == 0, "ep.size",
+                f"must divide train.num_ranks ({self.train.num_ranks})")
+        require(self.ep.size in (1, self.train.num_ranks) or self.train.data_parallel == "fsdp", "ep.size",
+                "smaller than train.num_ranks needs train.data_parallel = 'fsdp' (the replicas of an expert "
+                "slice are FSDP-sharded)")
         # The loss supports a k3 KL term, but the trainer keeps no frozen reference policy to compute it against.
         require(self.train.loss.kl_coef == 0, "train.loss.kl_coef",
                 "must be 0: the trainer keeps no reference policy yet, so there is nothing to take a KL to")

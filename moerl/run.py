@@ -69,7 +69,10 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           aux_loss_coef=cfg.model.router_aux_loss_coef,
                           expert_bias_rate=cfg.model.expert_bias_update_rate,
                           capacity_factor=cfg.model.capacity_factor, seed=cfg.run.seed, threads=t.threads,
-                          data_parallel=t.data_parallel, collective_timeout_s=t.collective_timeout_s)
+                          data_parallel=t.data_parallel, collective_timeout_s=t.collective_timeout_s,
+                          master_dtype=t.master_dtype, micro_batch_tokens=t.micro_batch_tokens,
+                          activation_checkpointing=t.activation_checkpointing,
+                          temperature=cfg.rollout.temperature)
     return worker, trainer
 
 
@@ -145,7 +148,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     started_ray = _init_ray(cfg)
     if cfg.run.deterministic:
         cfg.train.mode = "sync"  # deterministic = sync, fixed seeds, batches in task order (docs/checkpoints.md)
-    checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch))
+    checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
+                                dtype=cfg.model.dtype)
     if resume and checkpointer.latest() is None:
         raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")
     stop = threading.Event()

@@ -22,8 +22,10 @@ from moerl.model.config import MoEModelConfig
 
 
 class Checkpointer:
-    def __init__(self, root: str, keep: int, arch: MoEModelConfig, fingerprint: dict, use_async: bool = True) -> None:
+    def __init__(self, root: str, keep: int, arch: MoEModelConfig, fingerprint: dict, use_async: bool = True,
+                 dtype: str | None = None) -> None:
         self.store, self.keep, self.arch, self.fingerprint = CheckpointStore(root), keep, arch, fingerprint
+        self.dtype = dtype  # the run's compute dtype, recorded for `moerl export`
         self.use_async = use_async
         self.pending: tuple[int, list] | None = None  # (step, trainer save refs) awaiting commit
 
@@ -33,7 +35,7 @@ class Checkpointer:
         trainer.save_state(f"{self.store.step_path(step)}/trainer", self.use_async)
         self.store.write_bytes(step, CONTROLLER_FILE,
                                encode_controller_state(controller_state, classes=STATE_CLASSES))
-        write_arch(self.store, step, self.arch)
+        write_arch(self.store, step, self.arch, self.dtype)
         self.pending = (step, trainer.save_done())
         if not self.use_async:
             self.wait()

@@ -8,7 +8,6 @@ sliver of it and land there, and the trainer ranks are pinned to nodes without i
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 from dataclasses import dataclass
 
@@ -19,12 +18,7 @@ from moerl.actors.rollout_worker import RolloutWorker, WorkerSpec
 from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.loop.work_queue import WorkQueue
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from moerl.train.batching import split_by_tokens
 
 
 def _has_rollout_nodes() -> bool:
@@ -40,17 +34,16 @@ class RayTrainerGroup:
         if _has_rollout_nodes():  # keep the trainer off spot capacity: nodes without the `rollout` resource
             others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("rollout", 0) == 0)
         cls = ray.remote(TrainerRank)
-        host = ray.util.get_node_ip_address()
-        master = f"{host}:{_free_port(host)}"
         self.ranks = []
         for r in range(num_ranks):
             rank_options = dict(options)
             if others:  # contiguous blocks of ranks per node, spread over all trainer nodes
                 node = others[r * len(others) // num_ranks]
                 rank_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-            self.ranks.append(cls.options(**rank_options).remote(r, num_ranks, master, spec))
+            self.ranks.append(cls.options(**rank_options).remote(r, num_ranks, spec))
         self.timeout_s = spec.collective_timeout_s
-        ray.get([r.pid.remote() for r in self.ranks], timeout=self.timeout_s)  # the group is up
+        master = ray.get(self.ranks[0].rendezvous.remote(), timeout=self.timeout_s)  # on rank 0's own node
+        ray.get([r.join.remote(master) for r in self.ranks], timeout=self.timeout_s)  # the group is up
 
     def save_state(self, path: str, use_async: bool) -> None:
         ray.get([r.save_state.remote(path, use_async) for r in self.ranks], timeout=self.timeout_s)
@@ -66,7 +59,7 @@ class RayTrainerGroup:
 
     @staticmethod
     def shard(samples: list, num_ranks: int) -> list[list]:
-        return [samples[r::num_ranks] for r in range(num_ranks)]
+        return split_by_tokens(samples, num_ranks)  # balanced by tokens, not by count
 
     def sft_step(self, samples: list) -> dict:
         refs = [r.sft_step.remote(s) for r, s in zip(self.ranks, self.shard(samples, len(self.ranks)))]

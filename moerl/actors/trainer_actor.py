@@ -1,8 +1,13 @@
-"""A trainer rank as a Ray actor: joins the trainer's torch.distributed group and runs PolicyTrainer steps."""
+"""A trainer rank as a Ray actor: joins the trainer's torch.distributed group and runs PolicyTrainer steps.
+
+Two phases: the constructor only takes the spec; `join(master)` forms the group and builds the model, once
+rank 0 has named a rendezvous address on its own node (`rendezvous`), which may not be the driver's.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,15 +16,16 @@ import torch.distributed as dist
 
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
-from moerl.train.loss import LossConfig
-from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample, collate
+from moerl.train.config import LossConfig, OptimConfig
+from moerl.train.parallel import trainer_groups
+from moerl.train.trainer import PolicyTrainer, Sample
 
 
 @dataclass
 class TrainerSpec:
     arch: dict
     model_path: str
-    dtype: str
+    dtype: str  # compute dtype of forward and backward (model.dtype)
     device: str
     optim: OptimConfig
     loss: LossConfig
@@ -33,30 +39,54 @@ class TrainerSpec:
     threads: int = 1
     data_parallel: str = "fsdp"
     collective_timeout_s: float = 300.0
+    master_dtype: str = "float32"  # parameters and optimizer state
+    micro_batch_tokens: int = 0
+    activation_checkpointing: bool = False
+    temperature: float = 1.0  # the rollout's sampling temperature (the behaviour log-probs are under it)
 
 
 class TrainerRank:
-    def __init__(self, rank: int, world: int, master: str, spec: TrainerSpec) -> None:
+    def __init__(self, rank: int, world: int, spec: TrainerSpec) -> None:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(spec.seed + rank)
         self.rank, self.world, self.spec = rank, world, spec
+        self.device = spec.device
+        if spec.device == "cuda":
+            # Ray exposes this actor's GPU(s) through CUDA_VISIBLE_DEVICES; outside Ray, LOCAL_RANK picks one
+            index = int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0
+            torch.cuda.set_device(index)
+            self.device = f"cuda:{index}"
+
+    @staticmethod
+    def rendezvous() -> str:
+        """host:port on this node for the group's TCP rendezvous (asked of rank 0)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def join(self, master: str) -> int:
+        spec = self.spec
         backend = "nccl" if spec.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=f"tcp://{master}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=spec.collective_timeout_s))
-        group = dist.group.WORLD
-        ep_group = group if spec.ep_size > 1 else None
-        dtype = getattr(torch, spec.dtype)
+        groups = trainer_groups(spec.ep_size, torch.device(self.device).type)
+        master_dtype = getattr(torch, spec.master_dtype)
+        kwargs = dict(dtype=master_dtype, device=self.device, expert_parallel_group=groups.ep,
+                      dispatcher=spec.dispatcher, capacity_factor=spec.capacity_factor)
         if spec.model_path:
-            model = load_pretrained(spec.model_path, dtype=dtype, device=spec.device, expert_parallel_group=ep_group,
-                                    dispatcher=spec.dispatcher, capacity_factor=spec.capacity_factor)
+            model = load_pretrained(spec.model_path, **kwargs)
         else:
-            model = build_model(MoEModelConfig.from_hf_dict(spec.arch), dtype=dtype, device=spec.device,
-                                expert_parallel_group=ep_group, dispatcher=spec.dispatcher,
-                                capacity_factor=spec.capacity_factor, seed=spec.seed)
-        self.trainer = PolicyTrainer(model, spec.optim, spec.loss, group=group if world > 1 else None,
-                                     expert_parallel=spec.ep_size > 1, routing_replay=spec.routing_replay,
+            model = build_model(MoEModelConfig.from_hf_dict(spec.arch), seed=spec.seed, **kwargs)
+        self.trainer = PolicyTrainer(model, spec.optim, spec.loss, groups=groups, routing_replay=spec.routing_replay,
                                      aux_loss_coef=spec.aux_loss_coef, expert_bias_rate=spec.expert_bias_rate,
-                                     data_parallel=spec.data_parallel)
+                                     data_parallel=spec.data_parallel, compute_dtype=getattr(torch, spec.dtype),
+                                     micro_batch_tokens=spec.micro_batch_tokens,
+                                     activation_checkpointing=spec.activation_checkpointing,
+                                     temperature=spec.temperature)
+        return os.getpid()
 
     def set_lr(self, lr: float) -> None:
         for group in self.trainer.optimizer.param_groups:
@@ -66,15 +96,11 @@ class TrainerRank:
     def pid(self) -> int:
         return os.getpid()
 
-    def _batch(self, samples: list[Sample]):
-        m = self.trainer.model
-        return collate(samples, m.num_moe_layers, m.config.num_experts_per_tok, self.trainer.device)
-
     def sft_step(self, samples: list[Sample]) -> dict:
-        return self.trainer.sft_step(self._batch(samples))
+        return self.trainer.sft_step(samples)
 
     def rl_step(self, samples: list[Sample]) -> dict:
-        return self.trainer.rl_step(self._batch(samples))
+        return self.trainer.rl_step(samples)
 
     def publish(self, bucket_bytes: int) -> list:
         """This rank's share of the weights as object-store buckets (moerl/actors/weight_sync.py)."""

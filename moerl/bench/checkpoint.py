@@ -60,7 +60,7 @@ def _trainer(size_mb: float):
     from moerl.model import build_model, tiny_config
     from moerl.model.transformer import MoECausalLM
     from moerl.train.loss import LossConfig
-    from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample, collate
+    from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample
 
     arch = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)  # ~40 MB per layer
@@ -76,9 +76,8 @@ def _trainer(size_mb: float):
     g = torch.Generator().manual_seed(0)
     samples = [Sample(torch.randint(0, 1024, (8,), generator=g).tolist(), torch.randint(0, 1024, (8,), generator=g).tolist(),
                       [-1.0] * 8, 1.0 - 2 * (i % 2)) for i in range(4)]
-    batch = collate(samples, model.num_moe_layers, model.config.num_experts_per_tok, "cpu")
-    trainer.rl_step(batch)
-    return trainer, batch, layers
+    trainer.rl_step(samples)
+    return trainer, samples, layers
 
 
 def _disk_write_bw(nbytes: int) -> float:
@@ -119,7 +118,7 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
     if not fs.exists(args.bucket):
         fs.mkdir(args.bucket)
     run = f"{args.bucket}/bench-{uuid.uuid4().hex[:8]}"
-    trainer, batch, layers = _trainer(args.size_mb)
+    trainer, samples, layers = _trainer(args.size_mb)
     state_bytes = sum(t.numel() * t.element_size() for t in trainer_state_dict(trainer).values())
     where = "moto S3 server on 127.0.0.1 (own process)" if local_moto else "the S3 endpoint given"
     print(f"checkpoint: {state_bytes / 1e6:.0f} MB trainer state ({layers}-layer MoE, 16 experts, fp32 + AdamW), "
@@ -164,7 +163,7 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
         fut = save_trainer_state(trainer, f"s3://{run}/steps{i}{'a' if use_async else 's'}/trainer",
                                  use_async=use_async, thread_count=args.threads)
         for _ in range(3):
-            trainer.rl_step(batch)
+            trainer.rl_step(samples)
         if fut is not None:
             fut.result()
         return time.perf_counter() - t0
@@ -174,7 +173,7 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
     for i in range(args.iters):
         for name, fn in (("save", save), ("put", put), ("load", load), ("cat", cat), ("stall", stall),
                          ("async_steps", lambda i: with_steps(i, True)), ("sync_steps", lambda i: with_steps(i, False)),
-                         ("step", lambda i: _time(lambda: trainer.rl_step(batch)))):
+                         ("step", lambda i: _time(lambda: trainer.rl_step(samples)))):
             runs.setdefault(name, []).append(fn(i))
         fs.rm(f"{run}/", recursive=True)  # moto keeps objects in memory
         fs.invalidate_cache()

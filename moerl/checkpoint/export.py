@@ -17,13 +17,26 @@ from moerl.checkpoint.trainer_state import EP_KEY, load_into, read_metadata
 from moerl.model import CheckpointError, MoEModelConfig, build_model, save_pretrained
 
 ARCH_FILE = "arch.json"
+EXPORT_DTYPES = ("float32", "bfloat16")
 TRAINER_DIR = "trainer"
 log = logging.getLogger(__name__)
 
 
-def write_arch(store: CheckpointStore, step: int, model_config: MoEModelConfig) -> None:
-    """Save the architecture with the step, so export (and resume checks) need nothing but the checkpoint."""
-    store.write_bytes(step, ARCH_FILE, json.dumps(model_config.to_hf_dict(), indent=1).encode())
+def write_arch(store: CheckpointStore, step: int, model_config: MoEModelConfig, dtype: str | None = None) -> None:
+    """Save the architecture with the step, so export (and resume checks) need nothing but the checkpoint.
+    dtype: the run's compute dtype (model.dtype), what an export writes by default; the checkpoint itself holds
+    the master weights (float32)."""
+    arch = model_config.to_hf_dict() | ({"dtype": dtype} if dtype else {})
+    store.write_bytes(step, ARCH_FILE, json.dumps(arch, indent=1).encode())
+
+
+def read_arch_dtype(store: CheckpointStore, step: int) -> str | None:
+    """The compute dtype the run trained with, when its checkpoint recorded one."""
+    try:
+        dtype = json.loads(store.read_bytes(step, ARCH_FILE)).get("dtype")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return dtype if dtype in EXPORT_DTYPES else None
 
 
 def read_arch(store: CheckpointStore, step: int) -> MoEModelConfig:
@@ -60,8 +73,11 @@ def gather_model_state(trainer_path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None) -> Path:
-    """Write the policy of `step` (default: the latest committed) under `out_dir`; returns out_dir."""
+def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> Path:
+    """Write the policy of `step` (default: the latest committed) under `out_dir`; returns out_dir.
+    dtype: of the written tensors, float32 or bfloat16 (default: the run's model.dtype, else the checkpoint's)."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"export dtype must be one of {list(EXPORT_DTYPES)}, got {dtype!r}")
     store = CheckpointStore(checkpoint_root)
     if step is None:
         step = store.latest_step()
@@ -70,8 +86,9 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None) -
     store.verify(step)  # a partial step names its missing files here rather than failing mid-read
     config = read_arch(store, step)
     state = gather_model_state(f"{store.step_path(step)}/{TRAINER_DIR}")
-    dtype = next(iter(state.values())).dtype
-    model = build_model(config, dtype=dtype, init=False)
+    dtype = dtype or read_arch_dtype(store, step)
+    torch_dtype = getattr(torch, dtype) if dtype else next(iter(state.values())).dtype
+    model = build_model(config, dtype=torch_dtype, init=False)
     expected = model.state_dict()
     for name, t in expected.items():
         if name not in state or tuple(state[name].shape) != tuple(t.shape):

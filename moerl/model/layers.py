@@ -6,13 +6,18 @@ d head size, D hidden size.
 
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import MoEModelConfig
+from moerl.model.packing import PackedSeqs
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +55,82 @@ def apply_rotary(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Ten
     return x_BHTd * cos + _rotate_half(x_BHTd) * sin
 
 
+@functools.cache
+def _varlen_kernel() -> tuple[Callable[..., torch.Tensor], dict[str, Any], bool] | None:
+    """torch's flash varlen attention, the keyword that makes it causal, and whether it takes enable_gqa.
+
+    Imported lazily and inspected: torch 2.10 spells causal `is_causal=True`, later versions
+    `window_size=(-1, 0)`; enable_gqa came later still. None where torch has no varlen_attn."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal: dict[str, Any] = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def varlen_unavailable_reason(
+    dtype: torch.dtype, device: torch.device | str, num_heads: int, num_kv_heads: int, head_dim: int
+) -> str | None:
+    """None when packed attention runs the flash varlen kernel, else why it takes the SDPA block mask."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"varlen attention is CUDA-only (device {device})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"flash varlen attention takes bf16/fp16, not {dtype}"
+    if _varlen_kernel() is None:
+        return f"torch {torch.__version__} has no usable torch.nn.attention.varlen.varlen_attn"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _varlen_probe(dtype, device, num_heads, num_kv_heads, head_dim)
+
+
+@functools.cache
+def _varlen_probe(dtype: torch.dtype, device: torch.device, H: int, G: int, d: int) -> str | None:
+    """Run the kernel forward and backward once on a tiny input of this layout; why it failed, or None.
+
+    Probing up front (not catching the error mid-forward) keeps every forward of a config on one path,
+    which activation checkpointing needs: its recompute must save the same tensors as the forward."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q_THd = torch.randn(3, H, d, device=device, dtype=dtype, generator=gen, requires_grad=True)
+    k_TGd = torch.randn(3, G, d, device=device, dtype=dtype, generator=gen, requires_grad=True)
+    v_TGd = torch.randn(3, G, d, device=device, dtype=dtype, generator=gen, requires_grad=True)
+    try:
+        # Real autograd even when the first packed forward runs under no_grad or inference_mode.
+        with torch.inference_mode(False), torch.enable_grad():
+            _varlen_attention(q_THd, k_TGd, v_TGd, PackedSeqs.from_lengths([1, 2], device)).sum().backward()
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+        # An unsupported GPU, head size or build: the mask path computes the same attention, only slower.
+        reason = f"varlen_attn raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(f"packed attention falls back to an SDPA block mask: {reason}", stacklevel=3)
+        return reason
+    return None
+
+
+def _varlen_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor, packed: PackedSeqs):
+    """Causal attention inside each packed sequence with the flash varlen kernel: [T, H, d]."""
+    kernel = _varlen_kernel()
+    assert kernel is not None
+    varlen_attn, causal, takes_gqa = kernel
+    gqa = q_THd.shape[1] != k_TGd.shape[1]
+    kwargs = dict(causal)
+    if gqa and takes_gqa:
+        kwargs["enable_gqa"] = True
+    elif gqa:  # older torch: give every query head its own copy of its key/value head (SDPA's GQA order)
+        rep = q_THd.shape[1] // k_TGd.shape[1]
+        k_TGd, v_TGd = k_TGd.repeat_interleave(rep, dim=1), v_TGd.repeat_interleave(rep, dim=1)
+    cu_S1 = packed.cu_seqlens_S1
+    return varlen_attn(q_THd, k_TGd, v_TGd, cu_S1, cu_S1, packed.max_len, packed.max_len, **kwargs)
+
+
 class KVCacheLayer(Protocol):
     """What attention needs from a KV cache (the rollout engine provides one)."""
 
@@ -81,8 +162,14 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCacheLayer | None = None,
         attn_mask: torch.Tensor | None = None,
+        packed: PackedSeqs | None = None,
     ) -> torch.Tensor:
+        """packed: x is [1, T] holding several sequences; attention stays inside each. Without an attn_mask
+        it runs the flash varlen kernel (the caller checked `varlen_unavailable_reason`); with one, that
+        mask must be `packed.causal_block_mask()` (built once per forward by the model, not per layer)."""
         B, T, _ = x_BTD.shape
+        if packed is not None and attn_mask is None:
+            return self.o_proj(self._varlen(x_BTD, rope, packed).reshape(B, T, -1))
         q_BHTd = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
         k_BGTd = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
         v_BGTd = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -100,6 +187,19 @@ class Attention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out_BHTd.transpose(1, 2).reshape(B, T, -1))
+
+    def _varlen(
+        self, x_1TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packed: PackedSeqs
+    ) -> torch.Tensor:
+        """The packed row in the kernel's [T, heads, d] layout, rotary applied there: no transposes to undo."""
+        T = x_1TD.shape[1]
+        q_THd = self.q_norm(self.q_proj(x_1TD).view(T, -1, self.head_dim))
+        k_TGd = self.k_norm(self.k_proj(x_1TD).view(T, -1, self.head_dim))
+        v_TGd = self.v_proj(x_1TD).view(T, -1, self.head_dim)
+        cos_T1d, sin_T1d = rope[0][0, :, None], rope[1][0, :, None]
+        q_THd = q_THd * cos_T1d + _rotate_half(q_THd) * sin_T1d
+        k_TGd = k_TGd * cos_T1d + _rotate_half(k_TGd) * sin_T1d
+        return _varlen_attention(q_THd, k_TGd, v_TGd, packed)
 
 
 class DenseMLP(nn.Module):

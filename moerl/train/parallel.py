@@ -1,49 +1,132 @@
-"""Data-parallel sharding of the policy with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+"""The trainer's parallel layout: process groups, FSDP2 sharding with mixed precision, and the compute cast.
 
-Units: each decoder layer, then the root (embeddings, final norm, lm_head), as in torchtitan. Expert
-weights split by expert parallelism are left out (`ignored_params`): they are already disjoint across the
-EP ranks, and the dispatcher's combine-backward brings every rank's gradient for an expert to its owner.
-Without EP the experts are replicated parameters like any other and FSDP shards them too.
+Layout of W ranks with expert-parallel size P (P divides W), as a 2D mesh ("efsdp", "ep") of W/P x P:
 
-Gradients are SUMMED across ranks, not averaged: the trainer normalises its loss by the global token count,
-so the sum is the gradient of the whole batch and N ranks step exactly like one rank. Sum-only
-collectives (`force_sum_reduction_for_comms`) also keep gloo working: it has no AVG or PREMUL_SUM.
+    ep     ranks that split the experts: rank e of each EP group holds experts [e E/P, (e+1) E/P)
+    efsdp  the W/P ranks holding the same expert slice (one per EP group): FSDP shards that slice over them
+    dense  every other parameter: FSDP over all W ranks (one unit per decoder layer plus the root, as torchtitan)
+
+Gradients are SUMMED, not averaged: the trainer normalises its loss by the global token count, so the sum is
+the gradient of the whole batch and W ranks step exactly like one rank. The EP combine-backward already sums an
+expert's gradient over its EP group; the efsdp reduce-scatter sums it over the groups. Sum-only collectives
+(`force_sum_reduction_for_comms`) also keep gloo working: it has no AVG or PREMUL_SUM.
+
+Mixed precision: parameters (the master copy) and optimizer state stay in `master` dtype (float32); forward and
+backward compute in `compute` dtype (bfloat16). Sharded: FSDP2's MixedPrecisionPolicy (gathered parameters cast
+to `compute`, gradients reduced in float32). Not sharded (one rank, or `replicate`): `compute_cast` runs the
+model on cast copies of its parameters; autograd brings the gradients back to the float32 parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from moerl.model.transformer import MoECausalLM
 
+FORWARD_METHODS = ("forward_full", "forward_logprobs")  # what the trainer calls instead of forward()
 
-def expert_params(model: MoECausalLM) -> set[torch.nn.Parameter]:
+
+@dataclass
+class TrainerGroups:
+    """The trainer's process groups (every rank builds the same, in the same order)."""
+
+    world: dist.ProcessGroup | None  # all trainer ranks; None = one process, no torch.distributed
+    ep: dist.ProcessGroup | None  # this rank's EP group; None = every rank holds every expert
+    ep_size: int
+    efsdp_mesh: DeviceMesh | None  # the ranks holding this rank's expert slice (None without EP)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.world) if self.world is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.world) if self.world is not None else 0
+
+    @property
+    def efsdp_rank(self) -> int:
+        """This rank's index among the replicas of its expert slice (0 for the first EP group)."""
+        return self.efsdp_mesh.get_local_rank() if self.efsdp_mesh is not None else 0
+
+
+def trainer_groups(ep_size: int, device_type: str) -> TrainerGroups:
+    """Groups over the default process group (or none when torch.distributed is not initialised)."""
+    if not dist.is_initialized():
+        if ep_size != 1:
+            raise ValueError(f"ep_size={ep_size} needs an initialised torch.distributed group")
+        return TrainerGroups(None, None, 1, None)
+    world = dist.get_world_size()
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
+    if ep_size == 1:
+        return TrainerGroups(dist.group.WORLD, None, 1, None)
+    mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("efsdp", "ep"))
+    return TrainerGroups(dist.group.WORLD, mesh["ep"].get_group(), ep_size, mesh["efsdp"])
+
+
+def expert_params(model: MoECausalLM) -> set[nn.Parameter]:
     """The expert weights of MoE blocks whose dispatcher splits the experts over more than one rank."""
     return {p for block in model.moe_blocks if block.dispatcher.world_size > 1 for p in block.experts.parameters()}
 
 
-def shard_model(model: MoECausalLM, group: dist.ProcessGroup) -> DeviceMesh:
-    """Shard `model` in place over the ranks of `group` (call on every rank, before building the optimizer).
+def shard_model(model: MoECausalLM, groups: TrainerGroups, compute_dtype: torch.dtype | None = None) -> None:
+    """Shard `model` in place (call on every rank, before building the optimizer).
 
-    The mesh gets its own process group so FSDP's all-gathers and reduce-scatters never share a communicator
-    with the EP all-to-alls or the trainer's own reductions."""
+    The dense mesh gets its own process group so FSDP's all-gathers and reduce-scatters never share a
+    communicator with the EP all-to-alls or the trainer's own reductions."""
     device = next(model.parameters()).device
-    fsdp_group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
-    mesh = DeviceMesh.from_group(fsdp_group, device.type)
-    ignored = expert_params(model)
+    ranks = dist.get_process_group_ranks(groups.world)
+    dense = DeviceMesh.from_group(dist.new_group(ranks=ranks, backend=dist.get_backend(groups.world)), device.type)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=ignored & set(layer.parameters()) or None)
-    fully_shard(model, mesh=mesh, ignored_params=ignored or None)
-    register_fsdp_forward_method(model, "forward_full")  # the trainer calls forward_full, not forward
+        if groups.efsdp_mesh is not None and layer.is_moe:
+            # its own unit over the replicas of this slice; the layer's unit below then skips these params
+            fully_shard(layer.mlp.experts, mesh=groups.efsdp_mesh, **kwargs)
+        fully_shard(layer, mesh=dense, **kwargs)
+    fully_shard(model, mesh=dense, **kwargs)
+    for name in FORWARD_METHODS:
+        register_fsdp_forward_method(model, name)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return mesh
+
+
+class _Method(nn.Module):
+    """`model.<name>(...)` as a module's forward, so `functional_call` can run it on substituted parameters."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        super().__init__()
+        self.model, self.name = model, name
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.model, self.name)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def compute_cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator:
+    """Yields `call(name, *args, **kwargs)`: runs `model.<name>` with its floating-point parameters cast to
+    `dtype` (differentiably: the gradients reach the master parameters in their own dtype). dtype None, or
+    the parameters' own: a plain call."""
+    params = dict(model.named_parameters())
+    if dtype is None or all(p.dtype == dtype for p in params.values()):
+        yield lambda name, *args, **kwargs: getattr(model, name)(*args, **kwargs)
+        return
+    casts = {f"model.{n}": p.to(dtype) if p.is_floating_point() else p for n, p in params.items()}
+
+    def call(name: str, *args, **kwargs):
+        return torch.func.functional_call(_Method(model, name), casts, args, kwargs, tie_weights=True, strict=False)
+    yield call
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,178 +1,149 @@
-"""One trainer rank: the policy's loss on rollout samples (routing replay on), gradient sync, optimizer step.
+"""One trainer rank: the policy's loss on rollout samples, in token-budget micro-batches, then one optimizer step.
 
-Shape legend: B sequences on this rank, T positions (right-padded), V vocabulary, L MoE layers, K top-k.
+Shape legend: S sequences of a micro-batch, P its longest sequence, T packed positions, L MoE layers, E experts.
 
-Parallelism: the trainer group is one torch.distributed group (gloo on CPU, NCCL on GPU) of `world` ranks;
-data parallel over all ranks, and expert parallel over all of them when `ep_size == world` (each rank holds
-E/world experts; the dispatcher's combine-backward already brings every rank's gradient to the expert's
-owner, so expert gradients are never reduced). The other parameters are either sharded with FSDP2
-(`data_parallel="fsdp"`, the default: gradients reduce-scattered during backward, parameters gathered per
-layer) or replicated (`"replicate"`: one flat gradient all-reduce after backward, DDP-style). Gradients are
-summed with losses normalised by the global token count, so N ranks step exactly like one rank on the
-whole batch.
+A step (`rl_step`, `sft_step`) takes this rank's samples (the driver splits a batch over the ranks by tokens,
+`batching.split_by_tokens`), packs them into micro-batches of at most `micro_batch_tokens` positions with no
+padding rows, and for each: forward (routing replay on the experts the rollout chose), token log-probs from
+the final hidden states in chunks (never tokens x vocabulary in float32), the loss normalised by the global
+token (or sequence) count, backward. Gradients accumulate in float32 on the float32 master parameters; one
+clip and one AdamW step follow. Every rank runs the same number of micro-batches (the shortest pad with empty
+ones) because every forward joins collectives (FSDP gathers, EP all-to-alls).
+
+Parallelism and mixed precision: moerl/train/parallel.py. Summed gradients of losses normalised by global
+counts make W ranks step like one rank on the whole batch, and any micro-batch budget like one micro-batch.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
 
 from moerl.model.moe import is_expert_param
 from moerl.model.transformer import MoECausalLM
+from moerl.train.batching import PackedBatch, micro_batches, pack
 from moerl.train.config import LossConfig, OptimConfig
-from moerl.train.loss import policy_loss, sequence_count
-from moerl.train.parallel import full_tensor, local, shard_model
-from moerl.wire import PackedTensorFields
+from moerl.train.loss import policy_loss
+from moerl.train.parallel import TrainerGroups, compute_cast, full_tensor, local, shard_model
+from moerl.train.sample import Sample
 
+__all__ = ["LossConfig", "OptimConfig", "PolicyTrainer", "Sample"]
 
-@dataclass
-class Sample(PackedTensorFields):
-    """One trained sample as the trainer needs it (built by the controller from a Completion)."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    behaviour_logprobs: list[float]
-    advantage: float
-    routed_experts: torch.Tensor | None = None  # int16 [len(prompt) + len(completion) - 1, L, K]
-
-    _packed_fields = ("routed_experts",)  # pickled as raw bytes: see moerl/wire.py
-
-
-@dataclass
-class Batch:
-    input_ids_BT: torch.Tensor
-    target_ids_BT: torch.Tensor
-    mask_BT: torch.Tensor  # True where the target is a completion token
-    behaviour_BT: torch.Tensor
-    advantages_B: torch.Tensor
-    routed_BTLK: torch.Tensor | None = None
-    lengths_B: torch.Tensor | None = None  # positions per sequence (the rest is padding); None = all
-    meta: dict = field(default_factory=dict)
-
-    def valid_BT(self) -> torch.Tensor:
-        """True at real (not padding) positions."""
-        B, T = self.input_ids_BT.shape
-        if self.lengths_B is None:
-            return torch.ones(B, T, dtype=torch.bool, device=self.input_ids_BT.device)
-        return torch.arange(T, device=self.lengths_B.device)[None] < self.lengths_B[:, None]
-
-
-def collate(samples: list[Sample], num_moe_layers: int, top_k: int, device: torch.device | str) -> Batch:
-    """Right-pad samples into tensors. Inputs are prompt + completion[:-1]: the positions the engine ran."""
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
-    B, T = len(samples), max(lengths, default=1)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    targets = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    behaviour = torch.zeros(B, T)
-    routed = torch.zeros(B, T, num_moe_layers, top_k, dtype=torch.long)
-    have_routing = all(s.routed_experts is not None for s in samples)
-    for b, s in enumerate(samples):
-        seq = s.prompt_ids + s.completion_ids
-        n, p = lengths[b], len(s.prompt_ids)
-        ids[b, :n] = torch.tensor(seq[:-1])
-        targets[b, :n] = torch.tensor(seq[1:])
-        mask[b, p - 1: n] = True
-        behaviour[b, p - 1: n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-        if have_routing:
-            if s.routed_experts.shape[0] != n:
-                raise ValueError(f"sample {b}: routed_experts covers {s.routed_experts.shape[0]} positions, "
-                                 f"expected prompt + completion - 1 = {n}")
-            routed[b, :n] = s.routed_experts.long()
-    return Batch(ids.to(device), targets.to(device), mask.to(device), behaviour.to(device),
-                 torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
-                 routed.to(device) if have_routing else None, torch.tensor(lengths, device=device))
+_SUMMED = ("loss/", "tokens", "sequences", "is/masked_tokens")  # metrics added over micro-batches
+_PROBE = 1024  # elements per tensor sampled for update/param_change_frac
 
 
 class PolicyTrainer:
     def __init__(self, model: MoECausalLM, optim: OptimConfig, loss: LossConfig, *,
-                 group: dist.ProcessGroup | None = None, expert_parallel: bool = False,
-                 routing_replay: bool = True, aux_loss_coef: float = 0.0, expert_bias_rate: float = 0.0,
-                 data_parallel: Literal["fsdp", "replicate"] = "fsdp") -> None:
+                 groups: TrainerGroups | None = None, routing_replay: bool = True, aux_loss_coef: float = 0.0,
+                 expert_bias_rate: float = 0.0, data_parallel: Literal["fsdp", "replicate"] = "fsdp",
+                 compute_dtype: torch.dtype | None = None, micro_batch_tokens: int = 0,
+                 activation_checkpointing: bool = False, logprob_chunk_tokens: int | None = None,
+                 temperature: float = 1.0) -> None:
+        """model: built in the master dtype (float32), its experts already split by `groups.ep`.
+        compute_dtype: forward/backward dtype (None = the parameters'). micro_batch_tokens: positions per
+        micro-batch (0 = all of the rank's samples in one). temperature: the rollout's sampling temperature:
+        the behaviour log-probs are of softmax(logits / temperature), so the policy's must be too."""
         if data_parallel not in ("fsdp", "replicate"):
             raise ValueError(f"data_parallel must be 'fsdp' or 'replicate', got {data_parallel!r}")
         self.model, self.optim_cfg, self.loss_cfg = model, optim, loss
-        self.group = group
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.expert_parallel = expert_parallel
+        self.groups = groups or TrainerGroups(None, None, 1, None)
+        self.group, self.world, self.rank = self.groups.world, self.groups.world_size, self.groups.rank
+        self.expert_parallel = self.groups.ep_size > 1
+        if self.expert_parallel and data_parallel == "replicate" and self.groups.ep_size != self.world:
+            raise ValueError("expert parallelism over part of the ranks needs data_parallel='fsdp' (the replicas "
+                             "of an expert slice are FSDP-sharded)")
         self.routing_replay, self.aux_loss_coef, self.expert_bias_rate = routing_replay, aux_loss_coef, expert_bias_rate
+        self.micro_batch_tokens, self.logprob_chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
+        self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: the plain distribution
+        param = next(model.parameters())
+        self.device, self.master_dtype = param.device, param.dtype
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, param.dtype) else None
         if expert_bias_rate > 0:
             model.enable_expert_bias()
+        if activation_checkpointing:
+            model.enable_activation_checkpointing()
         self.fsdp = data_parallel == "fsdp" and self.world > 1
         if self.fsdp:  # before the optimizer: it must hold the sharded parameters
-            shard_model(model, group)
+            shard_model(model, self.groups, self.compute_dtype)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / optim.warmup_steps) if optim.warmup_steps else 1.0)
-        self.device = next(model.parameters()).device
         self.steps_done = 0
 
-    def _is_expert_param(self, name: str) -> bool:
-        return self.expert_parallel and is_expert_param(name)
-
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.group is not None and self.world > 1:
-            dist.all_reduce(t, group=self.group)
-        return t
-
-    def token_logprobs(self, batch: Batch, replay: bool, entropy: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """Log-probs of the targets [B, T], the aux loss, tokens per expert [L, E], and (when asked) the
-        policy's entropy at each position [B, T]."""
-        out = self.model.forward_full(batch.input_ids_BT, routed_experts_BTLK=batch.routed_BTLK if replay else None,
-                                      with_aux_loss=self.aux_loss_coef > 0)
-        logp_BTV = torch.log_softmax(out.logits_BTV.float(), dim=-1)
-        # tokens per expert over the real positions only: padding (which depends on how the batch is split
-        # over ranks) must not move the expert bias or the load plots
-        routed_NLK = out.routed_experts_BTLK[batch.valid_BT()]
-        E = self.model.config.num_experts
-        counts_LE = torch.stack([torch.bincount(routed_NLK[:, l].reshape(-1), minlength=E)
-                                 for l in range(routed_NLK.shape[1])]) if routed_NLK.shape[1] else out.expert_counts_LE
-        entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1) if entropy else None
-        return logp_BTV.gather(-1, batch.target_ids_BT[..., None]).squeeze(-1), out.aux_loss, counts_LE, entropy_BT
-
-    def rl_step(self, batch: Batch) -> dict[str, float]:
+    # ------------------------------------------------------------------ steps
+    def rl_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of the policy loss; every rank calls it with its share of the batch."""
-        self.model.train()
-        # the loss normalisers over all ranks: valid tokens (token-mean) and non-empty sequences (seq-mean-*)
-        counts = torch.tensor([batch.mask_BT.sum().item(), sequence_count(batch.mask_BT)], dtype=torch.float64,
-                              device=self.device)
-        global_tokens, global_seqs = (int(c) for c in self._all_reduce(counts).tolist())
-        replay = self.routing_replay and batch.routed_BTLK is not None
-        logp_BT, aux, counts_LE, entropy_BT = self.token_logprobs(batch, replay, self.loss_cfg.entropy_coef > 0)
-        loss, metrics = policy_loss(logp_BT, logp_BT.detach(), batch.behaviour_BT, batch.advantages_B,
-                                    batch.mask_BT, self.loss_cfg, entropy_BT=entropy_BT,
-                                    global_tokens=max(global_tokens, 1), global_seqs=max(global_seqs, 1))
-        if aux is not None:
-            loss = loss + self.aux_loss_coef * aux / self.world
-            metrics["loss/aux"] = float(aux.detach())
-        return self._apply(loss, metrics, counts_LE, global_tokens)
+        cfg = self.loss_cfg
+        replay = self.routing_replay and all(s.routed_experts is not None for s in samples)
 
-    def sft_step(self, batch: Batch) -> dict[str, float]:
+        def loss_fn(batch: PackedBatch, out, tokens: int, seqs: int, n_micro: int):
+            loss, metrics = policy_loss(batch.to_grid(out.logprobs_1T), batch.to_grid(out.logprobs_1T).detach(),
+                                        batch.behaviour_SP, batch.advantages_S, batch.mask_SP, cfg,
+                                        entropy_BT=batch.to_grid(out.entropy_1T), global_tokens=max(tokens, 1),
+                                        global_seqs=max(seqs, 1))
+            if out.aux_loss is not None:  # the mean over ranks and micro-batches of the balancing loss
+                loss = loss + self.aux_loss_coef * out.aux_loss / (self.world * n_micro)
+                metrics["loss/aux"] = float(out.aux_loss.detach()) / n_micro
+            return loss, metrics
+        return self._step(samples, loss_fn, replay, with_entropy=True, temperature=self.temperature)
+
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """Supervised warm start: token-mean cross-entropy of the completion tokens."""
-        self.model.train()
-        global_tokens = int(self._all_reduce(batch.mask_BT.sum().to(torch.float64)).item())
-        logp_BT, _, counts_LE, _ = self.token_logprobs(batch, replay=False)
-        loss = -(logp_BT * batch.mask_BT).sum() / max(global_tokens, 1)
-        return self._apply(loss, {"loss/sft": float(loss.detach()) * self.world}, counts_LE, global_tokens)
+        def loss_fn(batch: PackedBatch, out, tokens: int, seqs: int, n_micro: int):
+            loss = -(batch.to_grid(out.logprobs_1T) * batch.mask_SP).sum() / max(tokens, 1)
+            return loss, {"loss/sft": float(loss.detach()) * self.world, "tokens": float(batch.mask_SP.sum())}
+        return self._step(samples, loss_fn, replay=False, with_entropy=False, temperature=1.0)
 
-    def _apply(self, loss: torch.Tensor, metrics: dict, counts_LE: torch.Tensor, tokens: int) -> dict[str, float]:
+    def _step(self, samples: list[Sample], loss_fn: Callable, replay: bool, with_entropy: bool,
+              temperature: float) -> dict[str, float]:
+        self.model.train()
+        # global normalisers (completion tokens, non-empty completions) and the micro-batch count, in one call
+        local_bins = micro_batches(samples, self.micro_batch_tokens)
+        tokens, seqs = sum(len(s.completion_ids) for s in samples), sum(bool(s.completion_ids) for s in samples)
+        counts = self._all_reduce(torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device))
+        n_micro = int(self._all_reduce(torch.tensor([len(local_bins)], device=self.device), dist.ReduceOp.MAX))
+        global_tokens, global_seqs = (int(c) for c in counts.tolist())
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        replicated = [p for n, p in self.model.named_parameters() if p.grad is not None and not self._is_expert_param(n)]
-        if self.world > 1 and replicated and not self.fsdp:  # one flat all-reduce rather than one per parameter
-            flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-            self._all_reduce(flat)
-            offset = 0
-            for p in replicated:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+        metrics: dict[str, float] = {}
+        counts_LE = torch.zeros(self.model.num_moe_layers, self.model.config.num_experts, dtype=torch.long,
+                                device=self.device)
+        m = self.model
+        for i in range(n_micro):  # ranks with fewer micro-batches run empty ones: every forward is collective
+            batch = pack(local_bins[i] if i < len(local_bins) else [], m.num_moe_layers,
+                         m.config.num_experts_per_tok, self.device, m.config.pad_token_id or 0)
+            real = i < len(local_bins)
+            with compute_cast(m, None if self.fsdp else self.compute_dtype) as call:
+                out = call("forward_logprobs", batch.input_ids_1T, batch.target_ids_1T, packed_lengths=batch.lengths,
+                           routed_experts_BTLK=batch.routed_1TLK if (replay or not real) else None,
+                           with_aux_loss=self.aux_loss_coef > 0, with_entropy=with_entropy,
+                           chunk_tokens=self.logprob_chunk_tokens, temperature=temperature)
+            loss, mb_metrics = loss_fn(batch, out, global_tokens, global_seqs, n_micro)
+            if not real:  # keeps every parameter in the graph (FSDP's reduce-scatter runs on every rank)
+                loss = loss + 0.0 * out.logprobs_1T.sum()
+            loss.backward()
+            if real:
+                counts_LE += _expert_counts(out.routed_experts_BTLK, m.config.num_experts)
+                _merge(metrics, mb_metrics)
+        return self._apply(metrics, counts_LE, global_tokens)
+
+    def _apply(self, metrics: dict, counts_LE: torch.Tensor, tokens: int) -> dict[str, float]:
+        if self.world > 1 and not self.fsdp:  # replicated weights: one flat float32 all-reduce of the gradients
+            replicated = [p for n, p in self.model.named_parameters()
+                          if p.grad is not None and not self._is_expert_param(n)]
+            if replicated:
+                flat = torch.cat([p.grad.reshape(-1) for p in replicated])
+                self._all_reduce(flat)
+                offset = 0
+                for p in replicated:
+                    p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+                    offset += p.numel()
         metrics["grad_norm"] = self._clip_grad_norm()
+        probe = _ChangeProbe(self.model, self.compute_dtype)
         self.optimizer.step()
         self.scheduler.step()
         counts = self._all_reduce(counts_LE.clone())  # all ranks' tokens: for the bias and the load plots
@@ -180,9 +151,19 @@ class PolicyTrainer:
             for block, layer_counts in zip(self.model.moe_blocks, counts):
                 block.gate.update_expert_bias(layer_counts, self.expert_bias_rate)
         self.steps_done += 1
+        metrics.update(probe.result())
         metrics.update({"lr": self.scheduler.get_last_lr()[0], "tokens": tokens})
         metrics["expert_counts"] = counts.tolist()
         return metrics
+
+    # ------------------------------------------------------------------ helpers
+    def _is_expert_param(self, name: str) -> bool:
+        return self.expert_parallel and is_expert_param(name)
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.group is not None and self.world > 1:
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
 
     def _clip_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -205,17 +186,70 @@ class PolicyTrainer:
         return norm
 
     def publish_state(self) -> dict[str, torch.Tensor]:
-        """This rank's share of the policy weights for the rollout workers (CPU tensors).
+        """This rank's share of the policy weights for the rollout workers: CPU tensors in the compute dtype
+        (cast once here, on the trainer's device, so half the bytes travel).
 
-        Without EP only rank 0's copy is needed; with EP every rank sends its expert slices (the worker
-        places them by the rank's expert offset) and rank 0 also sends the other parameters. FSDP shards
-        are gathered first, one tensor at a time, so a rank never holds more than one whole extra tensor
-        (every rank takes part: the gather is a collective).
+        Rank 0 sends the dense parameters; with EP the first replica of each expert slice sends it (the worker
+        places it by the slice's expert offset). FSDP shards are gathered first, one tensor at a time, so a
+        rank never holds more than one whole extra tensor (every rank takes part: the gather is a collective).
         """
-        rank = dist.get_rank(self.group) if self.group is not None else 0
+        dtype = self.compute_dtype or self.master_dtype
         out = {}
         for name, t in self.model.state_dict().items():
             t = full_tensor(t.detach())
-            if rank == 0 or self._is_expert_param(name):
-                out[name] = t.to("cpu", copy=True)
+            mine = self.groups.efsdp_rank == 0 if self._is_expert_param(name) else self.rank == 0
+            if mine:
+                out[name] = t.to(dtype=dtype if t.is_floating_point() else t.dtype).to("cpu", copy=True)
+        return out
+
+
+def _expert_counts(routed_1TLK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert per MoE layer [L, E] (a packed batch has no padding positions)."""
+    routed_NLK = routed_1TLK.reshape(-1, *routed_1TLK.shape[2:])
+    return torch.stack([torch.bincount(routed_NLK[:, l].reshape(-1), minlength=num_experts)
+                        for l in range(routed_NLK.shape[1])]) if routed_NLK.shape[1] else \
+        routed_1TLK.new_zeros(0, num_experts)
+
+
+def _merge(acc: dict[str, float], new: dict[str, float]) -> None:
+    """Fold one micro-batch's metrics in: losses and counts add up, extremes take the extreme, means are
+    weighted by the micro-batch's tokens."""
+    w_old, w_new = acc.get("tokens", 0.0), new.get("tokens", 0.0)
+    for key, value in new.items():
+        if key not in acc:
+            acc[key] = value
+        elif key.startswith(_SUMMED):
+            acc[key] += value
+        elif key.endswith("_max"):
+            acc[key] = max(acc[key], value)
+        elif key.endswith("_min"):
+            acc[key] = min(acc[key], value)
+        else:
+            acc[key] = (acc[key] * w_old + value * w_new) / max(w_old + w_new, 1.0)
+
+
+class _ChangeProbe:
+    """How many master weights an optimizer step moves, and how many of their compute-dtype copies (what the
+    rollout engine gets): on up to `_PROBE` evenly spaced elements of each of this rank's parameter shards."""
+
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
+        self.compute_dtype = compute_dtype
+        self.params = [local(p).detach() for p in model.parameters()]
+        self.before = [self._sample(p).clone() for p in self.params]
+
+    @staticmethod
+    def _sample(p: torch.Tensor) -> torch.Tensor:
+        flat = p.reshape(-1)
+        return flat[:: max(1, flat.numel() // _PROBE)][:_PROBE]
+
+    def result(self) -> dict[str, float]:
+        changed = published = total = 0
+        for p, before in zip(self.params, self.before):
+            after = self._sample(p)
+            changed += int((after != before).sum())
+            if self.compute_dtype is not None:
+                published += int((after.to(self.compute_dtype) != before.to(self.compute_dtype)).sum())
+            total += after.numel()
+        out = {"update/param_change_frac": changed / max(total, 1)}
+        out["update/published_change_frac"] = (published if self.compute_dtype is not None else changed) / max(total, 1)
         return out

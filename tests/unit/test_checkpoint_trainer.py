@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moerl.checkpoint import (
     CheckpointError, CheckpointStore, export_policy, load_trainer_state, save_trainer_state, trainer_state_dict,
@@ -19,16 +20,18 @@ from moerl.checkpoint import (
 )
 from moerl.model import build_model, tiny_config
 from moerl.train.loss import LossConfig
-from moerl.train.parallel import full_tensor
-from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample, collate
+from moerl.train.parallel import full_tensor, trainer_groups
+from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def make_trainer(seed: int = 0, group=None, ep: bool = False, bias_rate: float = 1e-3, **arch) -> PolicyTrainer:
-    model = build_model(tiny_config(**arch), seed=seed, expert_parallel_group=group if ep else None,
+def make_trainer(seed: int = 0, group=None, ep: bool = False, bias_rate: float = 1e-3, compute_dtype=None,
+                 **arch) -> PolicyTrainer:
+    groups = trainer_groups(dist.get_world_size() if ep else 1, "cpu") if group is not None else None
+    model = build_model(tiny_config(**arch), seed=seed, expert_parallel_group=groups.ep if groups else None,
                         dispatcher="all_to_all" if ep else "local")
     return PolicyTrainer(model, OptimConfig(lr=1e-3, warmup_steps=4, weight_decay=0.01), LossConfig(),
-                         group=group, expert_parallel=ep, expert_bias_rate=bias_rate)
+                         groups=groups, expert_bias_rate=bias_rate, compute_dtype=compute_dtype)
 
 
 def train_step(trainer: PolicyTrainer, seed: int, rank: int = 0) -> dict:
@@ -36,8 +39,7 @@ def train_step(trainer: PolicyTrainer, seed: int, rank: int = 0) -> dict:
     vocab = trainer.model.config.vocab_size
     samples = [Sample(torch.randint(0, vocab, (5,), generator=g).tolist(), torch.randint(0, vocab, (4,), generator=g).tolist(),
                       (-torch.rand(4, generator=g)).tolist(), 1.0 if i % 2 else -1.0) for i in range(4)]
-    m = trainer.model
-    return trainer.rl_step(collate(samples, m.num_moe_layers, m.config.num_experts_per_tok, "cpu"))
+    return trainer.rl_step(samples)
 
 
 def snapshot(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
@@ -60,13 +62,17 @@ def trained(steps: int = 2, **kw) -> PolicyTrainer:
 
 
 # ------------------------------------------------------------------------------------------ round trips
-def test_round_trip_is_bitwise_and_training_continues_identically(tmp_path):
-    tr = trained(steps=2)
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
+def test_round_trip_is_bitwise_and_training_continues_identically(tmp_path, compute_dtype):
+    """Also under bf16 compute: the checkpoint holds the float32 master weights and AdamW state."""
+    tr = trained(steps=2, compute_dtype=compute_dtype)
     ref = snapshot(tr)
     assert any(k.startswith("optim/") and k.endswith("/exp_avg_sq") for k in ref)
+    assert all(v.dtype == torch.float32 for k, v in ref.items() if k.startswith(("model/", "optim/"))
+               and v.is_floating_point())
     save_trainer_state(tr, str(tmp_path / "ck"), use_async=False)
     after_save = torch.rand(3)  # the global RNG moves on after the save
-    fresh = make_trainer(seed=7)  # other weights, empty AdamW state, scheduler at step 0
+    fresh = make_trainer(seed=7, compute_dtype=compute_dtype)  # other weights, empty AdamW state, step 0
     load_trainer_state(fresh, str(tmp_path / "ck"))
     assert_same(snapshot(fresh), ref)
     assert fresh.steps_done == 2 and fresh.scheduler.state_dict() == tr.scheduler.state_dict()
@@ -151,3 +157,22 @@ def test_export_loads_in_transformers_with_the_trainers_logits(tmp_path, capsys)
         ref, got = tr.model(ids), hf(ids).logits
     assert (got - ref).abs().max() / ref.abs().max() < 1e-5
     assert export_policy(root, str(tmp_path / "hf2"), step=2).joinpath("config.json").is_file()
+
+
+def test_export_writes_the_runs_compute_dtype_unless_told(tmp_path):
+    from safetensors import safe_open
+
+    tr = trained(steps=1, bias_rate=0.0, compute_dtype=torch.bfloat16)
+    store = CheckpointStore(str(tmp_path / "ckpts"))
+    save_trainer_state(tr, f"{store.step_path(1)}/trainer", use_async=False)
+    write_arch(store, 1, tr.model.config, dtype="bfloat16")  # the run's model.dtype
+    store.commit(1)
+
+    def dtypes(out: str) -> set:
+        path = export_policy(store.root, str(tmp_path / out), dtype=None if out == "default" else out)
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {f.get_tensor(k).dtype for k in f.keys()}
+    assert dtypes("default") == {torch.bfloat16}
+    assert dtypes("float32") == {torch.float32}  # the float32 master weights, as trained
+    with pytest.raises(CheckpointError, match="export dtype must be one of"):
+        export_policy(store.root, str(tmp_path / "x"), dtype="float16")

@@ -73,7 +73,7 @@ def test_launch_section_rejects(override: str, needle: str) -> None:
     (["--launch.instance_type=p4d.24xlarge"], r"not a known instance type"),
     (["--launch.rollout_instance_type=g5.xlarge"], r"launch.rollout_instance_type"),
     (["--train.num_ranks=129", "--ep.size=1"], r"'train.num_ranks' x train.gpus_per_rank needs 129 GPUs"),
-    (["--train.num_ranks=64"], r"config key 'ep.size' must be 1 or train.num_ranks \(64\), got 128"),
+    (["--ep.size=48"], r"config key 'ep.size' must divide train.num_ranks \(128\), got 48"),
     (["--rollout.num_workers=257"], r"'rollout.num_workers' .* needs 257 GPUs"),
     (["--ray.address=10.0.0.1:6379"], r"'ray.address' must be empty"),
     (["--rollout.grace_s=115"], r"must exceed rollout.grace_s"),

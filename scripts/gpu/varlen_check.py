@@ -1,0 +1,250 @@
+"""Check packed (variable-length) forwards on a CUDA host, and time packed against padded training steps.
+
+    python scripts/gpu/varlen_check.py                 # CUDA, bf16, 64 sequences of 100-2000 tokens, hidden 1024
+    python scripts/gpu/varlen_check.py --cpu-smoke     # tiny sizes on CPU: the script itself, not the kernels
+
+1. Which attention path packed input takes here (flash varlen, or the SDPA block-diagonal mask, and why).
+2. Correctness in the model's dtype: the packed forward's logits against each sequence's own forward (routing
+   replayed from those, so bf16 noise cannot flip a top-k choice), the gradients of a packed loss against the
+   sum over the separate forwards, and activation checkpointing's gradients against none.
+3. Forward + backward time, tokens/s and peak memory: packed (varlen), packed with activation checkpointing,
+   packed with the mask path forced, and the same sequences right-padded to [S, max_len].
+Every check line is PASS or FAIL; exit status 1 if any failed. Imports only torch and moerl.model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a plain checkout
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from moerl.model import MoECausalLM, MoEModelConfig, build_model, transformer  # noqa: E402
+from moerl.model.layers import varlen_unavailable_reason  # noqa: E402
+from moerl.model.packing import PackedSeqs  # noqa: E402
+
+TOL = {"logits": 2e-2, "grads": 5e-2, "checkpointing": 1e-6}  # relative (norm-wise); bf16 for the first two
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (checks the script runs)")
+    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=2000)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-mask-timing", action="store_true", help="skip timing the O(T^2) mask path")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        args.num_seqs, args.min_len, args.max_len, args.hidden, args.layers, args.iters = 6, 3, 40, 64, 3, 1
+    return args
+
+
+def make_config(hidden: int, layers: int) -> MoEModelConfig:
+    head_dim = 64 if hidden >= 256 else 16
+    heads = hidden // head_dim
+    return MoEModelConfig(
+        vocab_size=8192 if hidden >= 256 else 256, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+        head_dim=head_dim, num_experts=16 if hidden >= 256 else 8, num_experts_per_tok=4,
+        moe_intermediate_size=hidden // 2, mlp_only_layers=[1] if layers > 2 else [],  # one dense layer
+        max_position_embeddings=32768,
+    )
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def token_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (targets -100 are skipped), as a trainer's loss would be."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=-100, reduction="sum")
+
+
+def grads(model: MoECausalLM, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    if got.keys() != want.keys():
+        return float("inf"), f"different gradient sets: {sorted(got.keys() ^ want.keys())[:3]}"
+    return max((rel(got[n], want[n]), n) for n in want)
+
+
+def check(name: str, err: float, tol: float, detail: str = "") -> bool:
+    ok = err <= tol
+    print(f"{'PASS' if ok else 'FAIL'}  {name:<50} max rel err {err:.2e} (tol {tol:.0e}) {detail}")
+    return ok
+
+
+def correctness(model: MoECausalLM, seqs: list[torch.Tensor]) -> bool:
+    lengths = [s.shape[1] for s in seqs]
+    packed = PackedSeqs.from_lengths(lengths, seqs[0].device)
+    ids_1T = PackedSeqs.pack(seqs)
+    with torch.no_grad():
+        separate = [model.forward_full(s) for s in seqs]
+        routes_1TLK = torch.cat([o.routed_experts_BTLK for o in separate], 1)
+        out = model.forward_full(ids_1T, packed=packed, routed_experts_BTLK=routes_1TLK)
+    errs = [rel(a, o.logits_BTV) for a, o in zip(packed.split(out.logits_BTV), separate)]
+    ok = check("packed logits vs per-sequence forwards", max(errs), TOL["logits"],
+               f"({len(seqs)} seqs, worst is #{errs.index(max(errs))} of length {lengths[errs.index(max(errs))]})")
+
+    targets = [torch.cat([s[:, 1:], torch.full_like(s[:, :1], -100)], 1) for s in seqs]
+    sep_loss = sum(token_loss(model.forward_full(s, routed_experts_BTLK=r).logits_BTV, t)
+                   for s, r, t in zip(seqs, packed.split(routes_1TLK), targets))
+    want = grads(model, sep_loss)
+    logits = model.forward_full(ids_1T, packed=packed, routed_experts_BTLK=routes_1TLK).logits_BTV
+    got = grads(model, token_loss(logits, PackedSeqs.pack(targets)))
+    err, name = worst(got, want)
+    ok &= check("packed grads vs sum of per-sequence grads", err, TOL["grads"], f"(worst {name})")
+
+    # Checkpointing, own routing (no replay). Backward on CUDA is not bitwise reproducible (atomics in the
+    # attention and scatter backward kernels), so its gradients are held to the run-to-run noise of plain
+    # backward; the routing of the recompute, read off the routers, must equal the forward's exactly.
+    def ckpt_grads(on: bool) -> dict[str, torch.Tensor]:
+        model.enable_activation_checkpointing(on)
+        out = model.forward_full(ids_1T, packed=packed)
+        return grads(model, token_loss(out.logits_BTV, PackedSeqs.pack(targets)))
+
+    want = ckpt_grads(False)
+    noise, _ = worst(ckpt_grads(False), want)
+    seen: dict[int, list[torch.Tensor]] = {}
+    hooks = [block.gate.register_forward_hook(lambda m, a, out, i=i: seen.setdefault(i, []).append(out.topk_idx_TK))
+             for i, block in enumerate(model.moe_blocks)]
+    try:
+        got = ckpt_grads(True)
+    finally:
+        model.enable_activation_checkpointing(False)
+        for h in hooks:
+            h.remove()
+    same = all(len(v) == 2 and torch.equal(v[0], v[1]) for v in seen.values())
+    print(f"{'PASS' if same else 'FAIL'}  {'checkpointing: recompute routes as the forward':<50} "
+          f"({len(seen)} MoE layers, {[len(v) for v in seen.values()]} router calls)")
+    err, name = worst(got, want)
+    ok &= same & check("checkpointing grads vs none (packed, own routing)", err, max(TOL["checkpointing"], 2 * noise),
+                       f"(worst {name}; plain backward twice: {noise:.2e})")
+    model.zero_grad(set_to_none=True)
+    return ok
+
+
+def timed(step: Callable[[], None], iters: int, device: torch.device) -> tuple[float, float]:
+    """Seconds per step and peak GiB allocated, after one warm-up step."""
+    cuda = device.type == "cuda"
+    step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    return (time.perf_counter() - t0) / iters, peak
+
+
+def timings(model: MoECausalLM, seqs: list[torch.Tensor], iters: int, with_mask: bool) -> None:
+    device = seqs[0].device
+    lengths = [s.shape[1] for s in seqs]
+    S, T_max, tokens = len(seqs), max(lengths), sum(lengths)
+    packed = PackedSeqs.from_lengths(lengths, device)
+    ids_1T = PackedSeqs.pack(seqs)
+    tgt_1T = PackedSeqs.pack([torch.cat([s[:, 1:], torch.full_like(s[:, :1], -100)], 1) for s in seqs])
+    ids_BT = torch.zeros(S, T_max, dtype=torch.long, device=device)  # right padding: causal SDPA suffices
+    tgt_BT = torch.full((S, T_max), -100, dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        ids_BT[i, : s.shape[1]] = s[0]
+        tgt_BT[i, : s.shape[1] - 1] = s[0, 1:]
+
+    def step(ids, tgt, **kw) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            token_loss(model.forward_full(ids, **kw).logits_BTV, tgt).backward()
+        return run
+
+    c = model.config
+    path = "mask" if varlen_unavailable_reason(
+        model.lm_head.weight.dtype, device, c.num_attention_heads, c.num_key_value_heads, c.head_dim) else "varlen"
+    modes: list[tuple[str, Callable[[], None], bool, str]] = [
+        (f"packed, {path}", step(ids_1T, tgt_1T, packed=packed), False, ""),
+        (f"packed, {path}, checkpointing", step(ids_1T, tgt_1T, packed=packed), True, ""),
+        (f"padded [{S}, {T_max}], causal SDPA", step(ids_BT, tgt_BT), False, ""),
+    ]
+    if with_mask and path == "varlen":  # the mask path forced, for comparison
+        modes.append(("packed, SDPA block mask (forced)", step(ids_1T, tgt_1T, packed=packed), False, "mask"))
+    print(f"\n{S} sequences, {tokens} tokens packed; padded holds {S * T_max} positions "
+          f"({100 * (1 - tokens / (S * T_max)):.0f}% padding)")
+    print(f"{'mode':<40} {'ms/step':>10} {'tokens/s':>12} {'peak GiB':>9}")
+    real_reason = transformer.varlen_unavailable_reason
+    for name, run, ckpt, force in modes:
+        model.enable_activation_checkpointing(ckpt)
+        if force == "mask":
+            transformer.varlen_unavailable_reason = lambda *a: "forced"
+        try:
+            sec, peak = timed(run, iters, device)
+            print(f"{name:<40} {sec * 1e3:>10.1f} {tokens / sec:>12,.0f} {peak:>9.2f}")
+        except torch.OutOfMemoryError:
+            print(f"{name:<40} {'out of memory':>10}")
+        finally:
+            transformer.varlen_unavailable_reason = real_reason
+            model.enable_activation_checkpointing(False)
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def main() -> int:
+    args = parse_args()
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("no CUDA device here: run on a CUDA host, or pass --cpu-smoke")
+        return 2
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    dtype = torch.bfloat16
+    config = make_config(args.hidden, args.layers)
+    torch.manual_seed(args.seed)
+    model = build_model(config, dtype=dtype, device=device, seed=args.seed)
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        params = set(inspect.signature(varlen_attn).parameters)
+        sig = f"window_size: {'window_size' in params}, is_causal: {'is_causal' in params}, " \
+              f"enable_gqa: {'enable_gqa' in params}"
+    except ImportError:
+        sig = "absent"
+    reason = varlen_unavailable_reason(dtype, device, config.num_attention_heads, config.num_key_value_heads,
+                                       config.head_dim)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"torch {torch.__version__} on {name}; varlen_attn: {sig}")
+    print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers (dense {config.mlp_only_layers}), "
+          f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads x {config.head_dim}, "
+          f"{config.num_experts} experts top-{config.num_experts_per_tok}, {dtype}")
+    print(f"packed attention path: {'flash varlen' if reason is None else 'SDPA block mask: ' + reason}\n")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    n_check = min(8, args.num_seqs)
+    check_lens = [1] + torch.randint(args.min_len, args.max_len // 3 + 2, (n_check - 1,), generator=gen).tolist()
+    seqs = [torch.randint(0, config.vocab_size, (1, n), generator=gen).to(device) for n in check_lens]
+    ok = correctness(model, seqs)
+
+    lens = torch.randint(args.min_len, args.max_len + 1, (args.num_seqs,), generator=gen).tolist()
+    seqs = [torch.randint(0, config.vocab_size, (1, n), generator=gen).to(device) for n in lens]
+    timings(model, seqs, args.iters, with_mask=not args.no_mask_timing)
+    print(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
