@@ -70,6 +70,7 @@ class RolloutWorker:
         self.task = load_task(spec.task_name, spec.task_options, seed=spec.seed)
         self.preempting = threading.Event()
         self._inflight_groups = 0
+        self._apply_s = 0.0  # engine paused for new weights since the last result handed out
         self._lock = threading.Lock()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.preempt("SIGTERM"))
@@ -84,7 +85,10 @@ class RolloutWorker:
         try:
             if self.preempting.is_set():
                 return GroupResult(task.task_id, task.prompt_index, self.worker_id, "preempted", list(task.partials))
-            return self._run_group(task, t0)
+            result = self._run_group(task, t0)
+            with self._lock:  # the engine's weight-apply pauses since the last result, reported once
+                result.apply_s, self._apply_s = self._apply_s, 0.0
+            return result
         except Exception as e:  # noqa: BLE001 - a failed generation is reported, retried by the controller
             return GroupResult(task.task_id, task.prompt_index, self.worker_id, "error",
                                error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
@@ -121,11 +125,16 @@ class RolloutWorker:
 
     def update_weights(self, version: int, shards: list[Any]) -> int:
         """Load published weights (moerl/actors/weight_sync.py); returns the version the engine holds."""
-        tensors = weight_sync.receive(shards)
+        tensors = weight_sync.stage(weight_sync.receive(shards), self.engine.engine.device)
 
         def apply(engine: Engine) -> int:
             if version > engine.version:  # calls of a threaded actor may run out of order: never go back
+                t0 = time.perf_counter()
                 weight_sync.apply_weights(engine, tensors, version)
+                if engine.device.type == "cuda":  # the copies are queued on the device: time them, not their launch
+                    torch.cuda.synchronize(engine.device)
+                with self._lock:
+                    self._apply_s += time.perf_counter() - t0
             return engine.version
         return self.engine.call(apply)
 

@@ -6,14 +6,19 @@
 
 `ObjectStoreWeightSync` is the loop's `WeightSync` (moerl/loop/types.py): `publish(v)` queues every rank's
 publish behind its current step, `deliver(wait)` hands the bucket refs to every started worker (and keeps them
-for workers that start later, see `catch_up`). This is the CPU path; buckets are CPU tensors pickled through
-the object store.
+for workers that start later, see `catch_up`). This is the CPU path and the fallback: each bucket is one flat
+byte buffer (`Bucket`), which Ray stores and hands back zero-copy (a numpy array is a view of shared memory,
+never pickled tensor by tensor). The worker stages the received tensors on its engine's device off the engine
+thread; the engine thread only copies the staged tensors in, between two decode steps.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -22,6 +27,43 @@ from moerl.rollout import Engine
 from moerl.train.trainer import PolicyTrainer
 
 Published = list[tuple[str, torch.Tensor, int | None]]  # (name, tensor, expert offset or None for a whole tensor)
+_ALIGN = 64  # byte alignment of each tensor in a bucket (any dtype's view of it is aligned)
+
+
+@dataclass
+class Bucket:
+    """Tensors laid end to end in one byte buffer, and where each lies: (name, dtype, shape, byte start,
+    expert offset or None)."""
+
+    entries: list[tuple[str, str, tuple[int, ...], int, int | None]]
+    data: np.ndarray  # uint8
+
+
+def pack_bucket(items: Published) -> Bucket:
+    """One buffer of the tensors' bytes (one copy each; no per-tensor pickling)."""
+    entries, start = [], 0
+    for name, t, offset in items:
+        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), start, offset))
+        start += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    data = np.empty(start, dtype=np.uint8)
+    flat = torch.from_numpy(data)
+    for (name, _, _, begin, _), (_, t, _) in zip(entries, items):
+        n = t.numel() * t.element_size()
+        flat[begin: begin + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return Bucket(entries, data)
+
+
+def unpack_bucket(bucket: Bucket) -> Published:
+    """Views of the bucket's buffer (no copy); read-only when the buffer came from the object store."""
+    with warnings.catch_warnings():  # a read-only buffer: we only ever read from these views
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(bucket.data)
+    out: Published = []
+    for name, dtype, shape, begin, offset in bucket.entries:
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        out.append((name, flat[begin: begin + n].view(dt).reshape(shape), offset))
+    return out
 
 
 # ---------------------------------------------------------------------------------------- trainer rank side
@@ -35,10 +77,10 @@ def publish_buckets(trainer: PolicyTrainer, expert_parallel: bool, bucket_bytes:
         current.append((name, tensor, offset if sliced else None))
         size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
-            buckets.append(ray.put(current))
+            buckets.append(ray.put(pack_bucket(current)))
             current, size = [], 0
     if current:
-        buckets.append(ray.put(current))
+        buckets.append(ray.put(pack_bucket(current)))
     return buckets
 
 
@@ -49,19 +91,28 @@ class ObjectStoreWeightSync:
     def __init__(self, trainer: Any, pool: Any, bucket_bytes: int = 32 << 20) -> None:
         self.trainer, self.pool, self.bucket_bytes = trainer, pool, bucket_bytes
         self._publishing: tuple[list, int] | None = None  # (the ranks' publish calls, version)
+        self._published: tuple[list, int] | None = None  # (bucket refs, version) not yet delivered
         self.latest: tuple[list, int] | None = None  # (bucket refs, version) delivered last
         pool.weights = self  # workers that start later catch up from `latest`
 
     def publish(self, version: int) -> None:
         self._publishing = ([r.publish.remote(self.bucket_bytes) for r in self.trainer.ranks], version)
+        self._published = None
 
-    def deliver(self, wait: bool) -> None:
+    def published(self) -> None:
+        if self._publishing is None:
+            return
         calls, version = self._publishing
         self._publishing = None
         per_rank = ray.get(calls, timeout=self.trainer.timeout_s)
-        self.latest = ([ref for refs in per_rank for ref in refs], version)
+        self._published = ([ref for refs in per_rank for ref in refs], version)
+
+    def deliver(self, wait: bool) -> None:
+        self.published()
+        self.latest, self._published = self._published, None
+        buckets, version = self.latest
         # Workers still starting get the newest weights when they are up, not a backlog of versions.
-        refs = [h.update_weights.remote(version, self.latest[0]) for h in self.pool.started_handles()]
+        refs = [h.update_weights.remote(version, buckets) for h in self.pool.started_handles()]
         if wait:
             for ref in refs:
                 try:
@@ -78,11 +129,18 @@ class ObjectStoreWeightSync:
 
 # ---------------------------------------------------------------------------------------- rollout worker side
 def receive(shards: list) -> Published:
-    """The published tensors of every rank, fetched from the object store."""
+    """The published tensors of every rank, fetched from the object store (views of its shared memory)."""
     tensors: Published = []
     for shard in shards:
-        tensors.extend(ray.get(shard) if isinstance(shard, ray.ObjectRef) else shard)
+        tensors.extend(unpack_bucket(ray.get(shard) if isinstance(shard, ray.ObjectRef) else shard))
     return tensors
+
+
+def stage(tensors: Published, device: torch.device) -> Published:
+    """Copies on the engine's device, made off the engine thread: applying them is then a device-local copy,
+    so decode pauses only for that (the staged copy is the second buffer of a double buffer). On the CPU the
+    received views are already that buffer."""
+    return [(name, t.to(device), offset) for name, t, offset in tensors]
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moerl.loop.phases import PhaseClock
 from moerl.loop.samples import SampleBuilder
 from moerl.loop.types import Checkpoints, GroupResult, GroupTask, RolloutPool, StepInFlight, TrainerGroup, WeightSync
 from moerl.loop.work_queue import WorkQueue
@@ -63,6 +64,7 @@ class Controller:
         self.checkpoints = checkpoints
         self.stop_requested = stop_requested  # graceful shutdown (SIGTERM to the driver)
         self.state = LoopState()
+        self.clock = PhaseClock()  # where this loop's wall time goes, per step (moerl/loop/phases.py)
         self.inflight: dict = {}  # worker call ref -> (worker_id, task_id)
         self.training: StepInFlight | None = None
 
@@ -75,7 +77,8 @@ class Controller:
                 self._graceful_stop()
                 break
             if self.checkpoints is not None:
-                self.checkpoints.poll()
+                with self.clock.during("checkpoint"):
+                    self.checkpoints.poll()
             self._lease_and_dispatch()
             self._try_start_training()
             self._collect(timeout=self.cfg.poll_s)  # wakes on a finished group or the end of the step
@@ -125,7 +128,9 @@ class Controller:
 
     def _collect(self, timeout: float) -> None:
         wake = self.trainer.pending(self.training.handle) if self.training is not None else []
-        for ref, result, error in self.workers.wait(self.inflight, timeout, also=wake):
+        with self.clock.during("train_wait" if self.training is not None else "idle"):
+            arrived = self.workers.wait(self.inflight, timeout, also=wake)
+        for ref, result, error in arrived:
             entry = self.inflight.pop(ref, None)
             if entry is None:  # dropped already: its worker was declared lost earlier in this batch
                 continue
@@ -196,7 +201,8 @@ class Controller:
 
     def _finish_training(self) -> None:
         step, self.training = self.training, None
-        metrics = self.trainer.result(step.handle, self.state.step)
+        with self.clock.during("train_wait"):
+            metrics = self.trainer.result(step.handle, self.state.step)
         self.state.version += 1
         self.state.step += 1
         self.weights.publish(self.state.version)
@@ -204,11 +210,16 @@ class Controller:
             # The next step queues on the trainer right behind the publish: the trainer does not idle while
             # this process logs, leases and collects. (Not before a checkpoint: it saves this step's state.)
             self._try_start_training()
-        # Sync mode waits until every worker holds the new weights before it leases the next batch.
-        self.weights.deliver(wait=self.cfg.mode == "sync")
+        with self.clock.during("publish"):
+            self.weights.published()
+        with self.clock.during("transfer"):  # sync mode: every worker holds the new weights before the next lease
+            self.weights.deliver(wait=self.cfg.mode == "sync")
         self.state.counters["samples_trained"] += len(step.samples)
         metrics.update(step.stats)
         metrics["time/train_s"] = time.monotonic() - step.started_at
+        metrics["time/generate_s"] = sum(g.seconds for g in step.batch) / max(len(step.batch), 1)
+        metrics["time/apply_s"] = sum(g.apply_s for g in step.batch)
+        metrics.update(self.clock.lap())
         metrics.update({f"queue/{k}": v for k, v in self.queue.stats().items()})
         metrics["queue/pending"] = self.queue.pending()
         metrics.update({f"count/{k}": v for k, v in self.state.counters.items()})
@@ -239,7 +250,8 @@ class Controller:
         self.state.leased_total = min(self.state.leased_total, self.state.next_prompt_index)
 
     def save_checkpoint(self) -> None:
-        self.checkpoints.save(self.state.step, self.trainer, self.state_dict())
+        with self.clock.during("checkpoint"):
+            self.checkpoints.save(self.state.step, self.trainer, self.state_dict())
 
     def _graceful_stop(self) -> None:
         """Preempt every worker so in-flight groups come back as partials, then save and stop."""

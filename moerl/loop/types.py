@@ -60,7 +60,8 @@ class GroupResult:
     rewards: list[float | None] = field(default_factory=list)
     reward_errors: list[str | None] = field(default_factory=list)
     error: str | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # generating and scoring the group, on the worker
+    apply_s: float = 0.0  # the worker's engine paused to apply new weights since its previous result
 
 
 @dataclass
@@ -140,8 +141,11 @@ class WeightSync(Protocol):
     def publish(self, version: int) -> None:
         """Queue the trainer's publish of `version` behind its current step (it may not be done yet)."""
 
+    def published(self) -> None:
+        """Wait until the trainer has published the version of the last `publish`."""
+
     def deliver(self, wait: bool) -> None:
-        """Send the last published version to every started worker; wait=True returns once they hold it."""
+        """Send the published version to every started worker; wait=True returns once they hold it."""
 
 
 class Checkpoints(Protocol):

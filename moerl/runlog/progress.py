@@ -72,8 +72,18 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed
         if WORKERS_TARGET_KEY in metrics:
             alive += f"/{_fmt_int(_number(metrics, WORKERS_TARGET_KEY))}"
         parts.append(f"workers {alive}")
+    step_s = _number(metrics, "time/step_s")
+    if step_s:  # where the loop's time went this step (moerl/loop/phases.py), largest first
+        shares = sorted(((v / step_s, short) for key, short in _PHASES.items()
+                         if (v := _number(metrics, key)) is not None and v / step_s >= 0.05), reverse=True)
+        if shares:
+            parts.append(f"{step_s:.2g}s: " + " ".join(f"{short} {100 * frac:.0f}%" for frac, short in shares))
     parts.append(format_duration(elapsed_s))
     return " | ".join(parts)
+
+
+_PHASES = {"time/train_wait_s": "train", "time/idle_s": "rollout", "time/publish_s": "publish",
+           "time/transfer_s": "transfer", "time/controller_s": "ctl", "time/checkpoint_s": "ckpt"}
 
 
 def _is_tty(stream: TextIO) -> bool:

@@ -17,6 +17,7 @@ counts make W ranks step like one rank on the whole batch, and any micro-batch b
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Literal
 
 import torch
@@ -113,6 +114,7 @@ class PolicyTrainer:
         counts_LE = torch.zeros(self.model.num_moe_layers, self.model.config.num_experts, dtype=torch.long,
                                 device=self.device)
         m = self.model
+        t0 = self._now()
         for i in range(n_micro):  # ranks with fewer micro-batches run empty ones: every forward is collective
             batch = pack(local_bins[i] if i < len(local_bins) else [], m.num_moe_layers,
                          m.config.num_experts_per_tok, self.device, m.config.pad_token_id or 0)
@@ -129,7 +131,14 @@ class PolicyTrainer:
             if real:
                 counts_LE += _expert_counts(out.routed_experts_BTLK, m.config.num_experts)
                 _merge(metrics, mb_metrics)
+        metrics["time/fwd_bwd_s"] = self._now() - t0
         return self._apply(metrics, counts_LE, global_tokens)
+
+    def _now(self) -> float:
+        """A clock reading after the device's queued work (CUDA runs asynchronously to the host)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _apply(self, metrics: dict, counts_LE: torch.Tensor, tokens: int) -> dict[str, float]:
         if self.world > 1 and not self.fsdp:  # replicated weights: one flat float32 all-reduce of the gradients
@@ -142,10 +151,12 @@ class PolicyTrainer:
                 for p in replicated:
                     p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
                     offset += p.numel()
+        t0 = self._now()
         metrics["grad_norm"] = self._clip_grad_norm()
         probe = _ChangeProbe(self.model, self.compute_dtype)
         self.optimizer.step()
         self.scheduler.step()
+        metrics["time/optimizer_s"] = self._now() - t0
         counts = self._all_reduce(counts_LE.clone())  # all ranks' tokens: for the bias and the load plots
         if self.expert_bias_rate > 0:
             for block, layer_counts in zip(self.model.moe_blocks, counts):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from moerl.loop.controller import Controller, LoopConfig
+from moerl.loop.phases import PHASES, PhaseClock
 from moerl.loop.samples import SampleBuilder
 from moerl.loop.types import GroupResult, GroupTask, RolloutPool, TrainerGroup, WeightSync
 from moerl.loop.work_queue import WorkQueue
@@ -97,15 +98,18 @@ class FakeTrainer:
 
 class FakeWeights:
     def __init__(self) -> None:
-        self.published: list[int] = []
+        self.versions: list[int] = []  # published
         self.delivered = -1
         self.waits: list[bool] = []
 
     def publish(self, version):
-        self.published.append(version)
+        self.versions.append(version)
+
+    def published(self):
+        pass
 
     def deliver(self, wait):
-        self.delivered = self.published[-1]
+        self.delivered = self.versions[-1]
         self.waits.append(wait)
 
 
@@ -134,9 +138,10 @@ def controller(workers=("w0", "w1"), lease_timeout: float = 30.0, task=None, aut
     pool = FakePool(list(workers), weights, auto=auto)
     trainer = FakeTrainer()
     steps: list[int] = []
+    logged: list[dict] = []
     ctl = Controller(LoopConfig(**settings), task, queue, pool, trainer, weights, SampleBuilder(task, True, 2, 4),
-                     lambda step, metrics, rows: steps.append(step))
-    ctl.steps_logged = steps  # what on_step saw
+                     lambda step, metrics, rows: (steps.append(step), logged.append(metrics)))
+    ctl.steps_logged, ctl.metrics_logged = steps, logged  # what on_step saw
     return ctl, queue, pool
 
 
@@ -284,9 +289,31 @@ def test_a_run_trains_every_finished_group_once_and_publishes_every_version(mode
                                   max_inflight_per_worker=2)
     state = ctl.run()
     assert state.step == 4 and state.version == 4 and ctl.steps_logged == [1, 2, 3, 4]
-    assert ctl.weights.published == [0, 1, 2, 3, 4]
+    assert ctl.weights.versions == [0, 1, 2, 3, 4]
     assert ctl.weights.waits == [True] + [mode == "sync"] * 4  # the first weights always before any lease
     trained = [s for step in ctl.trainer.steps for s in step]
     assert len(ctl.trainer.steps) == 4 and len(trained) == 4 * 3 * 2
     assert state.counters["groups_done"] == len(queue.completed_ids) >= 12
     assert state.counters["samples_trained"] == 24 and state.counters["stale_dropped"] == 0
+    for m in ctl.metrics_logged:  # the phases partition each step's wall time
+        phases = sum(v for k, v in m.items() if k.startswith("time/") and k.endswith("_s")
+                     and k.removeprefix("time/").removesuffix("_s") in PHASES)
+        assert phases == pytest.approx(m["time/step_s"], rel=1e-9, abs=1e-9) and m["time/step_s"] > 0
+
+
+def test_phase_clock_partitions_wall_time():
+    now = [0.0]
+    clock = PhaseClock(lambda: now[0])
+    now[0] = 1.0
+    with clock.during("idle"):
+        now[0] = 3.5
+        with clock.during("train_wait"):
+            now[0] = 4.0
+    now[0] = 4.25
+    lap = clock.lap()
+    assert lap["time/controller_s"] == 1.25 and lap["time/idle_s"] == 2.5 and lap["time/train_wait_s"] == 0.5
+    assert lap["time/step_s"] == 4.25 and clock.phase == "controller"
+    now[0] = 5.0
+    assert clock.lap()["time/step_s"] == 0.75
+    with pytest.raises(ValueError, match="unknown phase 'lunch'"):
+        clock.switch("lunch")

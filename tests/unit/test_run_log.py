@@ -337,6 +337,9 @@ def test_progress_line_content() -> None:
         "step 12/50 | reward 0.41 | 38.2 samples/s | staleness 0.8 | queue 5 | workers 2/2 | 0:01:13"
     )
     assert format_line(1, 50, {}, 0) == "step 1/50 | 0:00:00"
+    phases = {"time/step_s": 0.08, "time/train_wait_s": 0.05, "time/idle_s": 0.02, "time/controller_s": 0.01,
+              "time/publish_s": 0.001}  # under 5%: left out
+    assert format_line(2, 9, phases, 5) == "step 2/9 | 0.08s: train 62% rollout 25% ctl 12% | 0:00:05"
     assert format_line(3, 5, {"reward/mean": float("nan"), "workers/alive": 1, "queue/pending": None}, 3661) == (
         "step 3/5 | reward nan | queue - | workers 1 | 1:01:01"
     )
