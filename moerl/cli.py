@@ -15,7 +15,7 @@ import sys
 
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
            "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint",
-           "train": "moerl.bench.train"}
+           "train": "moerl.bench.train", "loop": "moerl.bench.loop"}
 
 
 def _bench(argv: list[str]) -> int:
