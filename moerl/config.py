@@ -91,7 +91,7 @@ class RolloutConfig:
     top_k: int = 0  # sample from the k most likely tokens only; 0 = off
     max_batch_size: int = 64  # most sequences in one batched generation call
     max_seq_len: int = 512  # prompt + completion tokens per sequence (the KV cache length)
-    max_inflight_groups: int = 4  # prompt groups a worker works on at once
+    max_inflight_groups: int = 0  # prompt groups a worker works on at once; 0 = from the engine's batch
     cpus_per_worker: float = 1.0  # Ray CPUs per worker (fractional is fine on a laptop)
     gpus_per_worker: float = 0.0
     threads: int = 1  # torch threads per worker
@@ -107,7 +107,12 @@ class RolloutConfig:
             require(getattr(self, name) >= 1, name, "must be >= 1")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
-        require(self.max_inflight_groups >= 1, "max_inflight_groups", "must be >= 1")
+        require(self.max_inflight_groups >= 0, "max_inflight_groups", "must be >= 0 (0 = from max_batch_size)")
+
+    def inflight_groups(self) -> int:
+        """`max_inflight_groups`, or enough groups to fill the engine's batch twice: one batch decoding while
+        the next groups' prompts wait to be admitted as sequences finish (continuous batching stays full)."""
+        return self.max_inflight_groups or max(1, -(-2 * self.max_batch_size // self.group_size))
 
 
 @dataclass

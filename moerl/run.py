@@ -123,7 +123,7 @@ def _loop_config(cfg: MoerlConfig):
 
     return LoopConfig(steps=cfg.train.steps, batch_groups=cfg.train.batch_groups, group_size=cfg.rollout.group_size,
                       max_staleness=cfg.train.max_staleness, mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
-                      max_inflight_per_worker=cfg.rollout.max_inflight_groups, deterministic=cfg.run.deterministic,
+                      max_inflight_per_worker=cfg.rollout.inflight_groups(), deterministic=cfg.run.deterministic,
                       checkpoint_every=cfg.checkpoint.every)
 
 

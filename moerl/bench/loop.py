@@ -21,7 +21,7 @@ from moerl.bench.common import Row, format_table
 
 GPU_SHAPE = ["--run.device=cuda", "--model.dtype=bfloat16", "--model.preset=medium", "--train.sft_steps=0",
              "--train.optim.lr=1e-6", "--rollout.max_new_tokens=256", "--rollout.max_seq_len=320",
-             "--rollout.max_batch_size=256", "--rollout.max_inflight_groups=32", "--rollout.num_workers=1",
+             "--rollout.max_batch_size=256", "--rollout.num_workers=1",
              "--train.batch_groups=16", "--rollout.group_size=8", "--rollout.gpus_per_worker=0.45",
              "--train.gpus_per_rank=0.45", "--train.micro_batch_tokens=16384", "--ray.num_cpus=8"]
 CPU_SHAPE = ["--rollout.num_workers=1", "--rollout.cpus_per_worker=1", "--train.cpus_per_rank=1", "--ray.num_cpus=2"]
@@ -81,7 +81,7 @@ def engine_alone(args: argparse.Namespace, gpu: bool, batches: int = 3) -> dict:
     spec, _ = _specs(cfg, arch, task)
     model = build_model(arch, dtype=getattr(torch, spec.dtype), device=spec.device, seed=0)
     engine = Engine(model, spec.engine)
-    n, G = cfg.rollout.max_inflight_groups, cfg.rollout.group_size
+    n, G = cfg.rollout.inflight_groups(), cfg.rollout.group_size
     prompts = [task.prompt_at(i).prompt_token_ids for i in range(n)]
 
     def batch(seed: int) -> list:

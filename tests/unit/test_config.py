@@ -376,3 +376,12 @@ def test_dump_load_round_trip_of_non_default_loss_and_optim(tmp_path):
     text = dump_toml(cfg)
     assert "[train.optim]\n" in text and "betas = [0.8, 0.99]" in text
     assert load_config(write(tmp_path, text)) == cfg
+
+
+def test_inflight_groups_follow_the_engine_batch_unless_set():
+    cfg = load_config(None, ["--rollout.max_batch_size=256", "--rollout.group_size=16"])
+    assert cfg.rollout.max_inflight_groups == 0 and cfg.rollout.inflight_groups() == 32
+    assert load_config(None, ["--rollout.max_batch_size=5", "--rollout.group_size=8"]).rollout.inflight_groups() == 2
+    assert load_config(None, ["--rollout.max_inflight_groups=3"]).rollout.inflight_groups() == 3
+    with pytest.raises(ConfigError, match="'rollout.max_inflight_groups' must be >= 0"):
+        load_config(None, ["--rollout.max_inflight_groups=-1"])
