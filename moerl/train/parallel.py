@@ -102,31 +102,30 @@ def shard_model(model: MoECausalLM, groups: TrainerGroups, compute_dtype: torch.
             module.set_force_sum_reduction_for_comms(True)
 
 
-class _Method(nn.Module):
-    """`model.<name>(...)` as a module's forward, so `functional_call` can run it on substituted parameters."""
-
-    def __init__(self, model: nn.Module, name: str) -> None:
-        super().__init__()
-        self.model, self.name = model, name
-
-    def forward(self, *args, **kwargs):
-        return getattr(self.model, self.name)(*args, **kwargs)
-
-
 @contextlib.contextmanager
-def compute_cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator:
-    """Yields `call(name, *args, **kwargs)`: runs `model.<name>` with its floating-point parameters cast to
-    `dtype` (differentiably: the gradients reach the master parameters in their own dtype). dtype None, or
-    the parameters' own: a plain call."""
-    params = dict(model.named_parameters())
-    if dtype is None or all(p.dtype == dtype for p in params.values()):
-        yield lambda name, *args, **kwargs: getattr(model, name)(*args, **kwargs)
-        return
-    casts = {f"model.{n}": p.to(dtype) if p.is_floating_point() else p for n, p in params.items()}
+def compute_cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Inside: the model's floating-point parameters are cast copies in `dtype` (differentiable: gradients reach
+    the master parameters in their own dtype). Run forward AND backward inside, since activation checkpointing
+    recomputes layers during backward and must see the same weights. dtype None, or the parameters' own: nothing.
 
-    def call(name: str, *args, **kwargs):
-        return torch.func.functional_call(_Method(model, name), casts, args, kwargs, tie_weights=True, strict=False)
-    yield call
+    Each parameter is swapped for its cast as a plain attribute and put back on exit; a parameter shared by
+    two modules (tied embeddings) is cast once."""
+    slots = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()
+             if p is not None and p.is_floating_point()]
+    if dtype is None or all(p.dtype == dtype for _, _, p in slots):
+        yield
+        return
+    casts: dict[int, torch.Tensor] = {}
+    for module, name, p in slots:
+        cast = casts.setdefault(id(p), p.to(dtype))
+        del module._parameters[name]
+        setattr(module, name, cast)
+    try:
+        yield
+    finally:
+        for module, name, p in slots:
+            delattr(module, name)
+            module._parameters[name] = p
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -119,15 +119,15 @@ class PolicyTrainer:
             batch = pack(local_bins[i] if i < len(local_bins) else [], m.num_moe_layers,
                          m.config.num_experts_per_tok, self.device, m.config.pad_token_id or 0)
             real = i < len(local_bins)
-            with compute_cast(m, None if self.fsdp else self.compute_dtype) as call:
-                out = call("forward_logprobs", batch.input_ids_1T, batch.target_ids_1T, packed_lengths=batch.lengths,
-                           routed_experts_BTLK=batch.routed_1TLK if (replay or not real) else None,
-                           with_aux_loss=self.aux_loss_coef > 0, with_entropy=with_entropy,
-                           chunk_tokens=self.logprob_chunk_tokens, temperature=temperature)
-            loss, mb_metrics = loss_fn(batch, out, global_tokens, global_seqs, n_micro)
-            if not real:  # keeps every parameter in the graph (FSDP's reduce-scatter runs on every rank)
-                loss = loss + 0.0 * out.logprobs_1T.sum()
-            loss.backward()
+            with compute_cast(m, None if self.fsdp else self.compute_dtype):
+                out = m.forward_logprobs(batch.input_ids_1T, batch.target_ids_1T, packed_lengths=batch.lengths,
+                                         routed_experts_BTLK=batch.routed_1TLK if (replay or not real) else None,
+                                         with_aux_loss=self.aux_loss_coef > 0, with_entropy=with_entropy,
+                                         chunk_tokens=self.logprob_chunk_tokens, temperature=temperature)
+                loss, mb_metrics = loss_fn(batch, out, global_tokens, global_seqs, n_micro)
+                if not real:  # keeps every parameter in the graph (FSDP's reduce-scatter runs on every rank)
+                    loss = loss + 0.0 * out.logprobs_1T.sum()
+                loss.backward()  # inside: checkpointed layers recompute with the same (cast) weights
             if real:
                 counts_LE += _expert_counts(out.routed_experts_BTLK, m.config.num_experts)
                 _merge(metrics, mb_metrics)

@@ -91,12 +91,18 @@ def test_any_budget_gives_the_whole_batch_gradient(budget, aggregation):
     assert m_micro["expert_counts"] == m_whole["expert_counts"]
 
 
-def test_activation_checkpointing_gives_the_same_gradient():
-    plain, ckpt = trainer(aux_loss_coef=0.01), trainer(aux_loss_coef=0.01, activation_checkpointing=True)
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
+def test_activation_checkpointing_gives_the_same_gradient(compute_dtype):
+    """Under bf16 compute too: the recompute in backward sees the same cast weights as the forward."""
+    plain = trainer(aux_loss_coef=0.01, compute_dtype=compute_dtype)
+    ckpt = trainer(aux_loss_coef=0.01, compute_dtype=compute_dtype, activation_checkpointing=True)
     batch = samples(6)
     plain.rl_step(batch)
     ckpt.rl_step(batch)
     assert_grads_close(grads(ckpt), grads(plain), 1e-6)
+    params = dict(ckpt.model.named_parameters())  # the master parameters are back in place, float32
+    assert len(params) == len(dict(plain.model.named_parameters()))
+    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in params.values())
 
 
 # ------------------------------------------------------------------------------ mixed precision
