@@ -229,6 +229,38 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint .metadata refers to {module}.{name}, which is not allowed")
 
 
+def _validate_metadata(metadata: Any, where: str) -> None:
+    """Only tensor entries, at paths inside the checkpoint. DCP reads a "bytes" entry with
+    `torch.load(weights_only=False)`, a pickle loader: a forged entry of that kind ran its payload on resume.
+    Types are checked exactly (pickle can give any allowed class any attribute, so duck typing proves nothing)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+
+    if type(metadata) is not Metadata:
+        raise CheckpointError(f"{where}: not a checkpoint's metadata ({type(metadata).__name__})")
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{where}: no table of entries")
+    for key, entry in entries.items():
+        if type(entry) is not TensorStorageMetadata:
+            raise CheckpointError(f"{where}: entry {key!r} is a {type(entry).__name__}, not a tensor (moerl "
+                                  "checkpoints hold tensors only; anything else could reach a pickle loader)")
+        size = entry.size
+        if (type(entry.properties) is not TensorProperties or not isinstance(entry.properties.dtype, torch.dtype)
+                or not isinstance(size, (tuple, torch.Size)) or not all(type(n) is int and n >= 0 for n in size)):
+            raise CheckpointError(f"{where}: entry {key!r} has no valid dtype and shape")
+    for index, info in (metadata.storage_data or {}).items():
+        rel = getattr(info, "relative_path", None)
+        if (type(info) is not _StorageInfo or not isinstance(rel, str) or not rel or rel.startswith(("/", "~"))
+                or "\\" in rel or ":" in rel or any(part in ("", ".", "..") for part in rel.split("/"))):
+            raise CheckpointError(f"{where}: storage path {rel!r} of {getattr(index, 'fqn', index)!r} is not a "
+                                  "plain path inside the checkpoint")
+        if (type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0
+                or info.transform_descriptors):
+            raise CheckpointError(f"{where}: storage of {getattr(index, 'fqn', index)!r} has an invalid offset, "
+                                  "length or transform")
+
+
 def _reader(path: str):
     FsspecReader, _ = _fsspec()
 
@@ -238,6 +270,7 @@ def _reader(path: str):
 
             with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            _validate_metadata(metadata, f"{path}/.metadata")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

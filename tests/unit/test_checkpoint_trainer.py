@@ -176,3 +176,57 @@ def test_export_writes_the_runs_compute_dtype_unless_told(tmp_path):
     assert dtypes("float32") == {torch.float32}  # the float32 master weights, as trained
     with pytest.raises(CheckpointError, match="export dtype must be one of"):
         export_policy(store.root, str(tmp_path / "x"), dtype="float16")
+
+
+def _forge(ck, key: str, marker, *, bytes_entry: bool = True, path: str = "evil.distcp") -> None:
+    """Rewrite the checkpoint's .metadata: `key` becomes a "bytes" entry (dressed with a tensor's size and
+    properties, which pickle lets a forger set) stored at `path`, where a pickle that touches `marker` waits."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from moerl.checkpoint.trainer_state import _MetadataUnpickler
+
+    with open(ck / ".metadata", "rb") as f:
+        meta = _MetadataUnpickler(f).load()
+    good = meta.state_dict_metadata[key]
+    if bytes_entry:
+        bad = BytesStorageMetadata()
+        bad.__dict__.update(size=good.size, properties=good.properties, chunks=good.chunks)
+        meta.state_dict_metadata[key] = bad
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    payload = pickle.dumps(Evil())
+    (ck / "evil.distcp").write_bytes(payload)
+    meta.storage_data = {i: v for i, v in meta.storage_data.items() if i.fqn != key}
+    meta.storage_data[MetadataIndex(key) if bytes_entry else MetadataIndex(key, (0,) * len(good.size))] = \
+        _StorageInfo(path, 0, len(payload))
+    (ck / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+@pytest.mark.parametrize("key", ["json/trainer", "model/model.embed_tokens.weight"])
+def test_a_forged_bytes_entry_never_reaches_a_pickle_loader(tmp_path, key):
+    """DCP reads "bytes" entries with torch.load(weights_only=False): a forged one ran its payload on resume and
+    in export. Only tensor entries are admitted now, by exact type."""
+    tr = trained(steps=1, bias_rate=0.0)
+    store = CheckpointStore(str(tmp_path / "ckpts"))
+    save_trainer_state(tr, f"{store.step_path(1)}/trainer", use_async=False)
+    write_arch(store, 1, tr.model.config)
+    ck = tmp_path / "ckpts" / "step-00000001" / "trainer"
+    marker = tmp_path / "pwned"
+    _forge(ck, key, marker)
+    store.commit(1)  # the forger rewrites the manifest too (it records sizes only)
+    with pytest.raises(CheckpointError, match=rf"entry '{key}' is a BytesStorageMetadata, not a tensor"):
+        load_trainer_state(make_trainer(bias_rate=0.0), str(ck))
+    with pytest.raises(CheckpointError, match="not a tensor"):
+        export_policy(store.root, str(tmp_path / "hf"))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("path", ["../outside.distcp", "/etc/passwd", "s3://elsewhere/x", "a/../../b", ""])
+def test_storage_paths_must_stay_inside_the_checkpoint(tmp_path, path):
+    save_trainer_state(trained(steps=1), str(tmp_path / "ck"), use_async=False)
+    _forge(tmp_path / "ck", "model/model.norm.weight", tmp_path / "pwned", bytes_entry=False, path=path)
+    with pytest.raises(CheckpointError, match="is not a plain path inside the checkpoint"):
+        load_trainer_state(make_trainer(), str(tmp_path / "ck"))
