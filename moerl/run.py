@@ -194,7 +194,9 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
                                 checkpoints=checkpointer, stop_requested=stop.is_set)
         if restored is not None:
             controller.load_state_dict(restored[1])
-            progress.message(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}")
+            dropped = log.truncate_after(restored[0])  # steps after the checkpoint are trained (and logged) again
+            progress.message(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}"
+                             + (f"; dropped {dropped} log rows of later steps" if dropped else ""))
         state = controller.run()
         last["elapsed_s"] = time.monotonic() - t_start
         return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(),

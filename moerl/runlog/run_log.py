@@ -289,6 +289,28 @@ class RunLog:
                 self._save_expert_load()
         return row
 
+    def truncate_after(self, step: int) -> int:
+        """Drop the rows an earlier attempt logged after `step`, the checkpoint this run resumes from: those
+        steps are trained again and would otherwise be logged twice. Returns the number of rows dropped."""
+        dropped = 0
+        with self._lock:
+            self._check_open()
+            self._metrics.close()
+            self._trajectories.close()
+            for path in (self.metrics_path, self.trajectories_path):
+                rows = read_jsonl(path, strict=False, missing_ok=True)
+                keep = [r for r in rows if not (isinstance(r.get("step"), int) and r["step"] > step)]
+                dropped += len(rows) - len(keep)
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text("".join(_dumps(r) + "\n" for r in keep), encoding="utf-8")
+                os.replace(tmp, path)  # atomic: a crash leaves the old file or the new one
+                if path == self.metrics_path:
+                    times = [r["time"] for r in keep if isinstance(r.get("time"), (int, float))]
+                    self._t0 = time.monotonic() - (float(times[-1]) if times else 0.0)
+            self._metrics = open(self.metrics_path, "a", buffering=1, encoding="utf-8")
+            self._trajectories = open(self.trajectories_path, "a", buffering=1, encoding="utf-8")
+        return dropped
+
     def log_trajectories(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Append one JSON line per row to trajectories.jsonl, in the order given, and flush."""
         if not rows:

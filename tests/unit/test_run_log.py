@@ -404,3 +404,24 @@ def test_progress_silent_without_stream() -> None:
     progress = Progress(2, None)
     assert progress.update(1, FULL).startswith("step 1/2")
     progress.close()
+
+
+def test_resume_drops_the_rows_of_steps_after_the_checkpoint(tmp_path):
+    """A run killed at step 5 resumes from its checkpoint at step 3: steps 4-5 are trained again, so their
+    metrics and trajectories must not stay in the log twice."""
+    log = RunLog(tmp_path, tensorboard=False)
+    log.log_step(-1, {"sft/loss": 1.0})
+    for step in range(1, 6):
+        log.log_step(step, {"reward/mean": step / 10})
+        log.log_trajectories([{"step": step, "task_id": f"t{step}", "sample_index": i} for i in range(2)])
+    log.close()
+    log = RunLog(tmp_path, tensorboard=False, resume=True)
+    assert log.truncate_after(3) == 2 + 4
+    for step in (4, 5):
+        log.log_step(step, {"reward/mean": 0.0})
+        log.log_trajectories([{"step": step, "task_id": f"t{step}", "sample_index": 0}])
+    log.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [-1, 1, 2, 3, 4, 5]
+    traj = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert [(r["step"], r["sample_index"]) for r in traj] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1),
+                                                              (4, 0), (5, 0)]
