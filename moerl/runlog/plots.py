@@ -2,6 +2,7 @@
 
     reward.png               reward/mean per step, its rolling mean, eval/reward when logged
     throughput.png           samples/s (+ staleness on a second axis) and tokens/s, when logged
+    step_time.png            each step's wall time by the controller's phases, in percent (moerl/loop/phases.py)
     expert_load_rollout.png  heatmap layers x experts: fraction of routed tokens per expert
     expert_load_trainer.png  the same for the trainer's forward passes
 
@@ -43,6 +44,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     jobs: list[tuple[str, Callable[[], Any]]] = [
         ("reward.png", lambda: _reward_figure(rows, run_dir.name)),
         ("throughput.png", lambda: _throughput_figure(rows, run_dir.name)),
+        ("step_time.png", lambda: _step_time_figure(rows, run_dir.name)),
     ]
     for source in EXPERT_LOAD_SOURCES:
         jobs.append((f"expert_load_{source}.png", lambda s=source: _expert_load_figure(load, s, run_dir.name)))
@@ -188,6 +190,36 @@ def _throughput_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
     ax0.legend(handles, labels, loc="best", fontsize=9)
     ax0.set_title(f"Throughput — {run_name}")
     axes[-1].set_xlabel("trainer step")
+    return fig
+
+
+# the controller's phases (moerl/loop/phases.py), bottom to top, and how the plot names them
+_PHASE_LABELS = (("train_wait", "waiting on the trainer"), ("idle", "waiting on rollouts"),
+                 ("publish", "weight publish"), ("transfer", "weight transfer"), ("controller", "controller"),
+                 ("checkpoint", "checkpoint"))
+
+
+def _step_time_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
+    """Each step's wall time split by phase, in percent (rolling mean): where the loop's time goes, as it goes.
+    The first step (start-up, the first weights) is left out: it would dwarf the rest."""
+    timed = [r for r in rows if r.get("step", 0) > 0 and isinstance(r.get("time/step_s"), (int, float))
+             and r["time/step_s"] > 0][1:]
+    if len(timed) < 2:
+        return None
+    steps = [int(r["step"]) for r in timed]
+    window = max(1, len(steps) // 50)
+    layers = [(label, _rolling_mean([100 * float(r.get(f"time/{p}_s") or 0.0) / r["time/step_s"] for r in timed],
+                                    window)) for p, label in _PHASE_LABELS]
+    layers = [(label, values) for label, values in layers if max(values) > 0]
+    median_ms = 1e3 * sorted(r["time/step_s"] for r in timed)[len(timed) // 2]
+    fig, (ax,) = _new_figure(8, 3.6)
+    ax.stackplot(steps, *[v for _, v in layers], labels=[label for label, _ in layers], alpha=0.85)
+    ax.set_ylabel("% of the step's wall time")
+    ax.set_ylim(0, 100)
+    _style_step_axis(ax, steps)
+    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    ax.set_title(f"Where each step's time goes (median step {median_ms:.0f} ms) — {run_name}")
+    ax.set_xlabel("trainer step")
     return fig
 
 

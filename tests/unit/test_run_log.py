@@ -248,6 +248,10 @@ def fake_run(run_dir: Path, steps: int = 20, layers: int = 6, experts: int = 16)
                 "throughput/tokens_per_s": 8000 + torch.rand(1, generator=gen).item() * 1000,
                 "staleness/mean": torch.rand(1, generator=gen).item(),
                 "queue/pending": 4,
+                # the controller's phases (moerl/loop/phases.py): they add up to time/step_s
+                "time/train_wait_s": 0.05, "time/idle_s": 0.02 + 0.001 * step, "time/controller_s": 0.01,
+                "time/publish_s": 0.004, "time/transfer_s": 0.0, "time/checkpoint_s": 0.0,
+                "time/step_s": 0.084 + 0.001 * step,
             }
             if step == 5:
                 metrics["reward/mean"] = float("nan")
@@ -273,7 +277,8 @@ def test_plots_for_a_20_step_run(tmp_path: Path) -> None:
         warnings.simplefilter("error")  # no plot failed
         written = write_plots(tmp_path)
     names = sorted(p.name for p in written)
-    assert names == ["expert_load_rollout.png", "expert_load_trainer.png", "reward.png", "throughput.png"]
+    assert names == ["expert_load_rollout.png", "expert_load_trainer.png", "reward.png", "step_time.png",
+                     "throughput.png"]
     for path in written:
         assert path.parent == tmp_path
         width, height = png_size(path)
