@@ -205,19 +205,16 @@ class MoECausalLM(nn.Module):
         )
 
     def forward_logprobs(self, input_ids_BT: torch.Tensor, target_ids_BT: torch.Tensor, *,
-                         packed_lengths: Sequence[int] | None = None, with_entropy: bool = False,
+                         packed: PackedSeqs | None = None, with_entropy: bool = False,
                          chunk_tokens: int | None = None, temperature: float = 1.0,
                          **forward_kwargs) -> LogProbOutput:
         """Log-probs of `target_ids_BT` (and the entropy) without ever holding [T, V] logits: the final hidden
         states go through the lm_head in chunks of tokens (moerl/model/logprobs.py), recomputed in backward.
 
-        packed_lengths: the lengths of the sequences laid end to end in a one-row input (see `packed`).
+        packed: the sequences laid end to end in a one-row input (see `forward_full`).
         temperature: of the distribution (softmax(logits / temperature)), the rollout's sampling temperature.
         A method of the model, not of its caller, so that under FSDP2 the lm_head is used while the root's
         parameters are gathered (it is registered as an FSDP forward method)."""
-        packed = None
-        if packed_lengths is not None:
-            packed = PackedSeqs.from_lengths(list(packed_lengths), device=input_ids_BT.device)
         out = self.forward_full(input_ids_BT, packed=packed, hidden_only=True, **forward_kwargs)
         logprobs, entropy = chunked_token_logprobs(out.hidden_BTD, self.lm_head.weight, target_ids_BT,
                                                    with_entropy=with_entropy, chunk_tokens=chunk_tokens,

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from moerl.runlog.run_log import EXPERT_LOAD_SOURCES, METRICS_FILE, read_expert_load, read_jsonl
+from moerl.runlog.run_log import EXPERT_LOAD_SOURCES, METRICS_FILE, STEP_PHASES, read_expert_load, read_jsonl
 
 REWARD_KEY = "reward/mean"
 EVAL_REWARD_KEY = "eval/reward"
@@ -193,12 +193,6 @@ def _throughput_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
     return fig
 
 
-# the controller's phases (moerl/loop/phases.py), bottom to top, and how the plot names them
-_PHASE_LABELS = (("train_wait", "waiting on the trainer"), ("idle", "waiting on rollouts"),
-                 ("publish", "weight publish"), ("transfer", "weight transfer"), ("controller", "controller"),
-                 ("checkpoint", "checkpoint"))
-
-
 def _step_time_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
     """Each step's wall time split by phase, in percent (rolling mean): where the loop's time goes, as it goes.
     The first step (start-up, the first weights) is left out: it would dwarf the rest."""
@@ -209,7 +203,7 @@ def _step_time_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
     steps = [int(r["step"]) for r in timed]
     window = max(1, len(steps) // 50)
     layers = [(label, _rolling_mean([100 * float(r.get(f"time/{p}_s") or 0.0) / r["time/step_s"] for r in timed],
-                                    window)) for p, label in _PHASE_LABELS]
+                                    window)) for p, _, label in STEP_PHASES]
     layers = [(label, values) for label, values in layers if max(values) > 0]
     median_ms = 1e3 * sorted(r["time/step_s"] for r in timed)[len(timed) // 2]
     fig, (ax,) = _new_figure(8, 3.6)

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, Callable, Mapping, TextIO
 
+from moerl.runlog.run_log import STEP_PHASES
+
 REWARD_KEY = "reward/mean"
 SAMPLES_PER_S_KEY = "throughput/samples_per_s"
 STALENESS_KEY = "staleness/mean"
@@ -74,16 +76,14 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed
         parts.append(f"workers {alive}")
     step_s = _number(metrics, "time/step_s")
     if step_s:  # where the loop's time went this step (moerl/loop/phases.py), largest first
-        shares = sorted(((v / step_s, short) for key, short in _PHASES.items()
-                         if (v := _number(metrics, key)) is not None and v / step_s >= 0.05), reverse=True)
+        shares = sorted(((v / step_s, short) for phase, short, _ in STEP_PHASES
+                         if (v := _number(metrics, f"time/{phase}_s")) is not None and v / step_s >= 0.05),
+                        reverse=True)
         if shares:
             parts.append(f"{step_s:.2g}s: " + " ".join(f"{short} {100 * frac:.0f}%" for frac, short in shares))
     parts.append(format_duration(elapsed_s))
     return " | ".join(parts)
 
-
-_PHASES = {"time/train_wait_s": "train", "time/idle_s": "rollout", "time/publish_s": "publish",
-           "time/transfer_s": "transfer", "time/controller_s": "ctl", "time/checkpoint_s": "ckpt"}
 
 
 def _is_tty(stream: TextIO) -> bool:

@@ -40,6 +40,13 @@ _tensorboard_warned = False
 # ----------------------------------------------------------------------------------------------- reading
 
 
+# The controller's step phases (moerl/loop/phases.py) as the progress line and the plots show them:
+# (phase, short name, long name), stacked bottom to top in step_time.png.
+STEP_PHASES = (("train_wait", "train", "waiting on the trainer"), ("idle", "rollout", "waiting on rollouts"),
+               ("publish", "publish", "weight publish"), ("transfer", "transfer", "weight transfer"),
+               ("controller", "ctl", "controller"), ("checkpoint", "ckpt", "checkpoint"))
+
+
 def iter_jsonl(path: str | Path, *, strict: bool = True) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSONL file, in order. Blank lines are skipped; so is a last line that does
     not parse (a write cut short by a crash). A bad line elsewhere raises ValueError, or with

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moerl.model.packing import PackedSeqs
 from moerl.train.sample import Sample
 
 
@@ -60,7 +61,7 @@ def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
 class PackedBatch:
     input_ids_1T: torch.Tensor  # int64
     target_ids_1T: torch.Tensor  # int64
-    lengths: list[int]  # positions of each sequence, in order
+    packed: PackedSeqs  # the sequences' boundaries, as the model takes them
     seq_T: torch.Tensor  # int64: which sequence each position belongs to
     pos_T: torch.Tensor  # int64: the position within its sequence
     mask_SP: torch.Tensor  # bool: True where the target is a completion token (the loss's tokens)
@@ -104,11 +105,9 @@ def pack(samples: list[Sample], num_moe_layers: int, top_k: int, device: torch.d
                 raise ValueError(f"sample {i}: routed_experts has shape {list(s.routed_experts.shape)}, expected "
                                  f"[prompt + completion - 1, moe_layers, top_k] = {[n, num_moe_layers, top_k]}")
             routed.append(s.routed_experts.long())
-    seq_T = torch.repeat_interleave(torch.arange(S), torch.tensor(lengths))
-    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-    pos_T = torch.arange(len(ids)) - starts[seq_T]
-    return PackedBatch(torch.tensor([ids], device=device), torch.tensor([targets], device=device), lengths,
-                       seq_T.to(device), pos_T.to(device), mask.to(device), behaviour.to(device),
+    packed = PackedSeqs.from_lengths(lengths, device)
+    return PackedBatch(torch.tensor([ids], device=device), torch.tensor([targets], device=device), packed,
+                       packed.seq_ids(), packed.position_ids()[0], mask.to(device), behaviour.to(device),
                        torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
                        torch.cat(routed)[None].to(device) if have_routing else None)
 
@@ -117,5 +116,6 @@ def _empty(num_moe_layers: int, top_k: int, device: torch.device | str, pad_toke
     one = torch.full((1, 1), pad_token_id, dtype=torch.long, device=device)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     routed = torch.arange(top_k, device=device).expand(1, 1, num_moe_layers, top_k).clone()
-    return PackedBatch(one, one.clone(), [1], zero, zero.clone(), torch.zeros(1, 1, dtype=torch.bool, device=device),
+    return PackedBatch(one, one.clone(), PackedSeqs.from_lengths([1], device), zero, zero.clone(),
+                       torch.zeros(1, 1, dtype=torch.bool, device=device),
                        torch.zeros(1, 1, device=device), torch.zeros(1, device=device), routed)

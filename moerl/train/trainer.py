@@ -83,10 +83,10 @@ class PolicyTrainer:
         replay = self.routing_replay and all(s.routed_experts is not None for s in samples)
 
         def loss_fn(batch: PackedBatch, out, tokens: int, seqs: int, n_micro: int):
-            loss, metrics = policy_loss(batch.to_grid(out.logprobs_1T), batch.to_grid(out.logprobs_1T).detach(),
-                                        batch.behaviour_SP, batch.advantages_S, batch.mask_SP, cfg,
-                                        entropy_BT=batch.to_grid(out.entropy_1T), global_tokens=max(tokens, 1),
-                                        global_seqs=max(seqs, 1))
+            logp_SP = batch.to_grid(out.logprobs_1T)
+            loss, metrics = policy_loss(logp_SP, logp_SP.detach(), batch.behaviour_SP, batch.advantages_S,
+                                        batch.mask_SP, cfg, entropy_BT=batch.to_grid(out.entropy_1T),
+                                        global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
             if out.aux_loss is not None:  # the mean over ranks and micro-batches of the balancing loss
                 loss = loss + self.aux_loss_coef * out.aux_loss / (self.world * n_micro)
                 metrics["loss/aux"] = float(out.aux_loss.detach()) / n_micro
@@ -120,7 +120,7 @@ class PolicyTrainer:
                          m.config.num_experts_per_tok, self.device, m.config.pad_token_id or 0)
             real = i < len(local_bins)
             with compute_cast(m, None if self.fsdp else self.compute_dtype):
-                out = m.forward_logprobs(batch.input_ids_1T, batch.target_ids_1T, packed_lengths=batch.lengths,
+                out = m.forward_logprobs(batch.input_ids_1T, batch.target_ids_1T, packed=batch.packed,
                                          routed_experts_BTLK=batch.routed_1TLK if (replay or not real) else None,
                                          with_aux_loss=self.aux_loss_coef > 0, with_entropy=with_entropy,
                                          chunk_tokens=self.logprob_chunk_tokens, temperature=temperature)
