@@ -159,6 +159,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class WeightsConfig:
+    """Weight sync, trainer -> rollout workers (moerl/actors/weight_sync): how each version travels."""
+
+    # auto = "shared" for workers on a trainer rank's node and GPU, else "object_store"; shared = CUDA IPC
+    # (a /dev/shm file on CPU); broadcast = NCCL (gloo on CPU) from the trainer to the workers in buckets
+    transport: Literal["auto", "object_store", "shared", "broadcast"] = "auto"
+    bucket_mb: int = 256  # bucket size: tensors are packed into flat buffers of about this many MiB
+    timeout_s: float = 60.0  # one transfer (a broadcast, a worker's apply) may take this long before it is abandoned
+
+    def validate(self) -> None:
+        require(self.bucket_mb >= 1, "bucket_mb", "must be >= 1")
+        require(self.timeout_s > 0, "timeout_s", "must be > 0")
+
+
+@dataclass
 class RayConfig:
     address: str = ""  # address of a Ray cluster to join; empty = start a local one
     num_cpus: int = 0  # CPUs for a local Ray; 0 = let Ray decide
@@ -230,6 +245,7 @@ class MoerlConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

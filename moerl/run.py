@@ -136,7 +136,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
 
     from moerl.actors.checkpointer import Checkpointer
     from moerl.actors.pools import RayRolloutPool, RayTrainerGroup
-    from moerl.actors.weight_sync import ObjectStoreWeightSync
+    from moerl.actors.weight_sync.sync import RayWeightSync
     from moerl.loop.controller import Controller
     from moerl.loop.samples import SampleBuilder
     from moerl.loop.work_queue import WorkQueue
@@ -173,7 +173,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
         workers = RayRolloutPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
                                  cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s,
                                  cfg.rollout.heartbeat_timeout_s)
-        weights = ObjectStoreWeightSync(trainer, workers)
+        weights = RayWeightSync(trainer, workers, cfg.weights.transport, cfg.weights.bucket_mb << 20,
+                                cfg.weights.timeout_s)
         builder = SampleBuilder(task, cfg.train.loss.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
         samples_seen = [0]
 

@@ -96,6 +96,7 @@ class _Worker:
     ping_ref: object = None
     inflight: int = 0
     started: bool = False  # answered a ping: its actor is placed and built (capacity allowed it)
+    where: object = None  # its Location (node, GPUs), from its first ping: which weight forms it can take
 
 
 class RayRolloutPool:
@@ -115,7 +116,7 @@ class RayRolloutPool:
         self.cls, self.options = ray.remote(RolloutWorker), options
         self.workers: dict[str, _Worker] = {}
         self._ids = itertools.count()
-        self.weights = None  # the run's ObjectStoreWeightSync: brings a worker that starts late up to date
+        self.weights = None  # the run's RayWeightSync: brings a worker that starts late up to date
         for _ in range(target):
             self._spawn()
 
@@ -193,9 +194,12 @@ class RayRolloutPool:
                         lost.append(worker_id)
                         continue
                     w.ping_ref = None
+                    if isinstance(answer, dict) and answer.get("where") is not None:
+                        w.where = answer["where"]
                     if not w.started:  # up: it takes work once it holds the newest weights
                         version = answer["version"] if isinstance(answer, dict) else answer
-                        w.ping_ref = self.weights.catch_up(w.handle, version) if self.weights is not None else None
+                        w.ping_ref = (self.weights.catch_up(w.handle, version, w.where)
+                                      if self.weights is not None else None)
                         if w.ping_ref is None:
                             w.started, self._start_failures = True, 0
             if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
@@ -230,6 +234,10 @@ class RayRolloutPool:
             w.leaving = True
             w.handle.preempt.remote("run shutdown")
 
-    def started_handles(self) -> list:
-        """The actor handles of the workers that are up (the ones new weights go to)."""
-        return [w.handle for w in self.workers.values() if w.started]
+    def started_workers(self) -> list[tuple[object, object]]:
+        """(actor handle, Location) of the workers that are up (the ones new weights go to)."""
+        return [(w.handle, w.where) for w in self.workers.values() if w.started]
+
+    def locations(self) -> list:
+        """Every worker's Location, None for one that has not answered yet (its place is unknown)."""
+        return [w.where for w in self.workers.values()]

@@ -67,6 +67,7 @@ class RolloutWorker:
         else:
             model = build_model(MoEModelConfig.from_hf_dict(spec.arch), dtype=dtype, device=spec.device, seed=spec.seed)
         self.engine = EngineThread(Engine(model, spec.engine, version=-1))
+        self.receiver = weight_sync.Receiver(self.engine.engine.device)
         self.task = load_task(spec.task_name, spec.task_options, seed=spec.seed)
         self.preempting = threading.Event()
         self._inflight_groups = 0
@@ -124,8 +125,8 @@ class RolloutWorker:
                            seconds=time.perf_counter() - t0)
 
     def update_weights(self, version: int, shards: list[Any]) -> int:
-        """Load published weights (moerl/actors/weight_sync.py); returns the version the engine holds."""
-        tensors = weight_sync.stage(weight_sync.receive(shards), self.engine.engine.device)
+        """Load published weights (moerl/actors/weight_sync); returns the version the engine holds."""
+        tensors = self.receiver.receive(shards)
 
         def apply(engine: Engine) -> int:
             if version > engine.version:  # calls of a threaded actor may run out of order: never go back
@@ -140,6 +141,7 @@ class RolloutWorker:
 
     def ping(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.engine.version,
+                "where": weight_sync.Location.here(self.engine.engine.device),
                 "in_flight": self.engine.in_flight, "preempting": self.preempting.is_set(),
                 "stats": dict(self.engine.engine.stats)}
 

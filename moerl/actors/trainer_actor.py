@@ -102,11 +102,19 @@ class TrainerRank:
     def rl_step(self, samples: list[Sample]) -> dict:
         return self.trainer.rl_step(samples)
 
-    def publish(self, bucket_bytes: int) -> list:
-        """This rank's share of the weights as object-store buckets (moerl/actors/weight_sync.py)."""
-        from moerl.actors.weight_sync import publish_buckets
+    def location(self):
+        """Where this rank's weight buffers live (its Ray node and GPU): who can map them."""
+        from moerl.actors.weight_sync.shared import Location
 
-        return publish_buckets(self.trainer, self.spec.ep_size > 1, bucket_bytes)
+        return Location.here(self.device)
+
+    def publish(self, version: int, forms: tuple[str, ...], bucket_bytes: int) -> dict[str, list]:
+        """This rank's share of the weights in each of `forms` (moerl/actors/weight_sync/publisher.py)."""
+        from moerl.actors.weight_sync.publisher import Publisher
+
+        if getattr(self, "_publisher", None) is None:
+            self._publisher = Publisher(self.trainer, self.spec.ep_size > 1, bucket_bytes)
+        return self._publisher.publish(version, forms)
 
     def save_state(self, path: str, use_async: bool) -> None:
         """Start saving this rank's share (DCP through fsspec); async returns once the state is staged."""
@@ -128,5 +136,7 @@ class TrainerRank:
         return self.trainer.steps_done
 
     def shutdown(self) -> None:
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.close()
         if dist.is_initialized():
             dist.destroy_process_group()

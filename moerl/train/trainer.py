@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -197,21 +197,33 @@ class PolicyTrainer:
         return norm
 
     def publish_state(self) -> dict[str, torch.Tensor]:
-        """This rank's share of the policy weights for the rollout workers: CPU tensors in the compute dtype
-        (cast once here, on the trainer's device, so half the bytes travel).
+        """This rank's share of the policy weights for the rollout workers (`publish_items`) as CPU tensors in
+        the published dtype: the reference the weight-sync transports are checked against."""
+        return {name: t.to(self.publish_dtype(t)).to("cpu", copy=True) for name, t in self.publish_items()}
+
+    def publish_dtype(self, t: torch.Tensor) -> torch.dtype:
+        """Weights travel in the compute dtype (half the bytes of float32 master weights under bf16)."""
+        return (self.compute_dtype or self.master_dtype) if t.is_floating_point() else t.dtype
+
+    def publish_spec(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, published dtype, whole shape) of this rank's share, in `publish_items` order, without data."""
+        return [(name, self.publish_dtype(t), tuple(t.shape)) for name, t in self.model.state_dict().items()
+                if self._publishes(name)]
+
+    def publish_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's share of the policy weights, whole, on the trainer's device, in the master dtype.
 
         Rank 0 sends the dense parameters; with EP the first replica of each expert slice sends it (the worker
-        places it by the slice's expert offset). FSDP shards are gathered first, one tensor at a time, so a
-        rank never holds more than one whole extra tensor (every rank takes part: the gather is a collective).
+        places it by the slice's expert offset). FSDP shards are gathered one tensor at a time, so a rank never
+        holds more than one whole extra tensor; every rank must run this to the end (the gathers are collectives).
         """
-        dtype = self.compute_dtype or self.master_dtype
-        out = {}
         for name, t in self.model.state_dict().items():
             t = full_tensor(t.detach())
-            mine = self.groups.efsdp_rank == 0 if self._is_expert_param(name) else self.rank == 0
-            if mine:
-                out[name] = t.to(dtype=dtype if t.is_floating_point() else t.dtype).to("cpu", copy=True)
-        return out
+            if self._publishes(name):
+                yield name, t
+
+    def _publishes(self, name: str) -> bool:
+        return self.groups.efsdp_rank == 0 if self._is_expert_param(name) else self.rank == 0
 
 
 def _expert_counts(routed_1TLK: torch.Tensor, num_experts: int) -> torch.Tensor:

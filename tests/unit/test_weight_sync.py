@@ -24,7 +24,7 @@ def test_bucket_round_trip_is_bitwise_for_every_dtype_and_shape():
     assert [(n, o) for n, _, o in back] == [(n, o) for n, _, o in items]
     for (_, want, _), (_, got, _) in zip(items, back):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
-    assert all(start % 64 == 0 for _, _, _, start, _ in bucket.entries)
+    assert all(e.start % 64 == 0 for e in bucket.layout.entries)
 
 
 def test_engine_weights_equal_the_trainers_after_every_sync():

@@ -1,0 +1,119 @@
+"""The driver's side of weight sync: the loop's `WeightSync` (moerl/loop/types.py) over Ray actors.
+
+Each version the driver asks every trainer rank for the forms its workers can take: "shared" (same-node buffers,
+CUDA IPC on a GPU) for workers that can map the rank's buffers, "store" (object-store buckets) for the rest and
+for workers whose place is not known yet. Every started worker then gets, per rank, the best form it can take.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from moerl.actors.weight_sync.shared import Location
+
+
+class RayWeightSync:
+    def __init__(self, trainer: Any, pool: Any, transport: str = "auto", bucket_bytes: int = 256 << 20,
+                 timeout_s: float = 60.0) -> None:
+        self.trainer, self.pool, self.bucket_bytes, self.timeout_s = trainer, pool, bucket_bytes, timeout_s
+        self.transport = transport
+        self.rank_where: list[Location] = ray.get([r.location.remote() for r in trainer.ranks],
+                                                  timeout=trainer.timeout_s)
+        if transport == "auto":  # the object store stays the CPU path: shared buffers are for GPUs
+            self.transport = "shared" if any(w.gpus for w in self.rank_where) else "object_store"
+        if self.transport == "broadcast":
+            raise NotImplementedError("weights.transport = 'broadcast' is not available yet")
+        self._publishing: tuple[list, int, tuple[str, ...]] | None = None  # (ranks' publish calls, version, forms)
+        self._published: tuple[list[dict], int] | None = None  # (per rank: form -> shards, version) to deliver
+        self.latest: tuple[list[dict], int] | None = None  # delivered last
+        self._reading: dict[int, list] = {}  # version -> update calls that may still read its shared buffers
+        self.stats = {"store_publishes": 0, "shared_publishes": 0}
+        pool.weights = self  # workers that start later catch up from `latest`
+
+    # ------------------------------------------------------------------ the loop's WeightSync
+    def publish(self, version: int) -> None:
+        forms = self._forms()
+        if "shared" in forms:
+            self._wait_readers(before=version - 1)  # the rank is about to refill the slot those read
+        self._publishing = ([r.publish.remote(version, forms, self.bucket_bytes) for r in self.trainer.ranks],
+                            version, forms)
+        self._published = None
+        for form in forms:
+            self.stats[f"{form}_publishes"] += 1
+
+    def published(self) -> None:
+        if self._publishing is None:
+            return
+        calls, version, _ = self._publishing
+        self._publishing = None
+        self._published = (ray.get(calls, timeout=self.trainer.timeout_s), version)
+
+    def deliver(self, wait: bool) -> None:
+        self.published()
+        if self._published is None:
+            return
+        self.latest, self._published = self._published, None
+        per_rank, version = self.latest
+        refs = []
+        for handle, where in self.pool.started_workers():
+            shards = self._shards(per_rank, where)
+            if shards is not None:  # else: it is behind by one version; the next publish includes its form
+                refs.append(self._send(handle, version, shards))
+        if wait:
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=self.pool.heartbeat_timeout_s)
+                except (ray.exceptions.RayError, TimeoutError):
+                    pass  # a dead worker is found by the heartbeat
+
+    def catch_up(self, handle: Any, held_version: int, where: Location | None = None) -> ray.ObjectRef | None:
+        """The call that brings a worker holding `held_version` to the newest weights; None when it has them.
+        When the newest version was published in no form this worker can take, it waits for the next one."""
+        if self.latest is None or held_version >= self.latest[1]:
+            return None
+        shards = self._shards(self.latest[0], where)
+        if shards is None:
+            return handle.ping.remote()  # asked again when it answers; the next publish carries its form
+        return self._send(handle, self.latest[1], shards)
+
+    # ------------------------------------------------------------------ forms
+    def _forms(self) -> tuple[str, ...]:
+        if self.transport == "object_store":
+            return ("store",)
+        places = self.pool.locations()
+        if places and all(w is not None and all(w.can_open(r) for r in self.rank_where) for w in places):
+            return ("shared",)
+        return ("shared", "store")
+
+    def _shards(self, per_rank: list[dict], where: Location | None) -> list | None:
+        shards = []
+        for rank_where, forms in zip(self.rank_where, per_rank):
+            if "shared" in forms and where is not None and where.can_open(rank_where):
+                shards.extend(forms["shared"])
+            elif "store" in forms:
+                shards.extend(forms["store"])
+            else:
+                return None
+        return shards
+
+    def _send(self, handle: Any, version: int, shards: list) -> ray.ObjectRef:
+        ref = handle.update_weights.remote(version, shards)
+        if any(not isinstance(s, ray.ObjectRef) for s in shards):  # it maps the ranks' buffers of `version`
+            self._reading.setdefault(version, []).append(ref)
+        return ref
+
+    def _wait_readers(self, before: int) -> None:
+        """Wait (bounded) until no worker still copies from a version older than `before`: the two slots of
+        shared buffers alternate, so publishing v refills the slot that held v - 2."""
+        deadline = time.monotonic() + self.timeout_s
+        for version in [v for v in self._reading if v < before]:
+            for ref in self._reading.pop(version):
+                try:
+                    ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except (ray.exceptions.RayError, TimeoutError):
+                    # Dead, or its engine is stuck in one step for timeout_s (a zombie: issue 17): the heartbeat
+                    # replaces it. Training does not wait longer for one worker.
+                    pass
