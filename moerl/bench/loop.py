@@ -36,13 +36,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (GPU 30, CPU 200)")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating; medians reported")
     p.add_argument("--out", default="", help="keep the run directories here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run, e.g. --set weights.transport=object_store")
     return p.parse_args(argv)
 
 
 def _overrides(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> list[str]:
     steps = args.steps or (30 if gpu else 200)
     return (GPU_SHAPE if gpu else CPU_SHAPE) + [f"--train.mode={mode}", f"--train.steps={steps}",
-                                                f"--run.dir={run_dir}"]
+                                                f"--run.dir={run_dir}"] + [f"--{kv.removeprefix('--')}" for kv in args.set]
 
 
 def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> dict:
@@ -57,7 +59,7 @@ def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> d
     wall = sum(r.get("time/step_s", 0.0) for r in rl)
     phases = {p: sum(r.get(f"time/{p}_s", 0.0) for r in rl) / max(wall, 1e-9) for p in PHASE_KEYS}
     inner = {k: sum(r.get(f"time/{k}_s", 0.0) for r in rl) / max(len(rl), 1)
-             for k in ("fwd_bwd", "optimizer", "generate", "apply", "step")}
+             for k in ("fwd_bwd", "optimizer", "generate", "apply", "publish", "transfer", "step")}
     tail = rl[-max(1, len(rl) // 5):]
     return {"samples_per_s": samples / max(wall, 1e-9), "tokens_per_s": tokens / max(wall, 1e-9),
             "reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail), "phases": phases, "inner": inner}
@@ -124,4 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         shares = " ".join(f"{p} {100 * f:.0f}%" for p, f in r["phases"].items())
         inner = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r["inner"].items())
         print(f"{name} step time: {shares}; per step: {inner}")
+    # Sync mode waits for each version from the publish call until every worker applied it.
+    print(f"weight sync (sync mode, per version): publish to applied "
+          f"{1e3 * (sync['inner']['publish'] + sync['inner']['transfer']):.0f} ms, decode paused "
+          f"{1e3 * sync['inner']['apply']:.0f} ms")
     return 0

@@ -3,7 +3,6 @@ the workers can take ("shared": same-node buffers; "store": object-store buckets
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from moerl.actors.weight_sync.buckets import Bucket, Layout, plan, views

@@ -1,0 +1,93 @@
+"""Weight sync through real Ray actors on one machine: after every sync each rollout worker's engine holds the
+trainer's published weights bitwise, for every transport, including a worker that starts late (catch-up) and a
+trainer with two expert-parallel ranks (expert slices from two ranks land at their offsets)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def local_ray(monkeypatch):
+    import ray
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert not ray.is_initialized()
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+def _published(ray, ranks) -> list[dict[str, torch.Tensor]]:
+    """What each trainer rank publishes (all at once: gathering FSDP shards is a collective)."""
+    return ray.get([r.__ray_call__.remote(lambda self: self.trainer.publish_state()) for r in ranks], timeout=60)
+
+
+def _engine_state(ray, handle) -> dict[str, torch.Tensor]:
+    return ray.get(handle.__ray_call__.remote(lambda self: {k: v.clone() for k, v in
+                                                             self.engine.engine.model.state_dict().items()}),
+                   timeout=60)
+
+
+def _start(pool, deadline_s: float = 120.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while len(pool.started_workers()) < pool.target:
+        assert time.monotonic() < deadline, "workers did not start"
+        pool.unresponsive(time.monotonic())
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport,ranks", [("shared", 2)])  # the object store: every other Ray test
+def test_engines_equal_the_trainer_after_every_sync(local_ray, tmp_path, transport, ranks):
+    from moerl.actors.pools import RayRolloutPool, RayTrainerGroup
+    from moerl.actors.weight_sync.sync import RayWeightSync
+    from moerl.loop.work_queue import WorkQueue
+    from moerl.run import _specs, model_architecture
+    from moerl.tasks.base import load_task
+    from moerl.train.sample import Sample
+
+    ray = local_ray
+    cfg = load_config(REPO / "configs" / "demo.toml", [f"--run.dir={tmp_path}", f"--train.num_ranks={ranks}",
+                                                        f"--ep.size={ranks}", "--rollout.heartbeat_s=0.2"])
+    task = load_task(cfg.task.name, dict(cfg.task.options), seed=0)
+    arch = model_architecture(cfg, task)
+    worker_spec, trainer_spec = _specs(cfg, arch, task)
+    trainer = RayTrainerGroup(trainer_spec, ranks, 0.5, 0)
+    pool = RayRolloutPool(worker_spec, 1, 0.5, 0, WorkQueue(lease_timeout=600, max_attempts=3), heartbeat_s=0.2)
+    sync = RayWeightSync(trainer, pool, transport, bucket_bytes=64 << 10)  # small buckets: many of them
+    assert sync.transport == transport
+    _start(pool)
+    g = torch.Generator().manual_seed(0)
+    for version in (1, 2, 3):
+        samples = [Sample(torch.randint(3, 60, (6,), generator=g).tolist(), torch.randint(3, 60, (5,), generator=g).tolist(),
+                          [0.0] * 5, 0.0, None) for _ in range(4)]
+        trainer.sft_step(samples)
+        sync.publish(version)
+        sync.deliver(wait=True)
+        if version == 2:  # a second worker starts late and catches up with version 2
+            pool.target = 2
+            pool.replace_missing(version)
+            _start(pool)
+        want: dict[str, torch.Tensor] = {}
+        for share in _published(ray, trainer.ranks):  # rank 0: the dense tensors and its expert slice, rank 1: its slice
+            for name, t in share.items():
+                want[name] = torch.cat([want[name], t]) if name in want else t
+        for handle, _ in pool.started_workers():
+            got = _engine_state(ray, handle)
+            assert sorted(got) == sorted(want)
+            assert [k for k in want if not torch.equal(got[k], want[k])] == [], f"version {version}"
+    forms = ("shared" if transport == "shared" else "store")
+    assert sync.stats[f"{forms}_publishes"] >= 3
