@@ -238,8 +238,10 @@ def check_trained_once(run_dir: Path, result: dict, groups: list, steps: int) ->
 @pytest.mark.timeout(150)
 def test_sigkill_worker_mid_run(tmp_path, ray_env, captured):
     # One worker: the run can only finish through its replacement, so the replacement's start and first groups
-    # are part of every run (with two, a fast run could end before the replacement came up).
-    cfg = small_config(tmp_path, "--rollout.num_workers=1", steps=30)
+    # are part of every run (with two, a fast run could end before the replacement came up). Weights travel
+    # through the shared transport (the CPU twin of CUDA IPC): a worker killed while it maps the trainer's
+    # buffers must not stall the publishes that follow (the other tests use the object store).
+    cfg = small_config(tmp_path, "--rollout.num_workers=1", "--weights.transport=shared", steps=30)
     striker = Striker(tmp_path, signal.SIGKILL)
     result = run_with_striker(cfg, striker)
     print(f"SIGKILL {striker.worker_id} pid {striker.pid}: {result['counters']} queue {result['queue']}")
