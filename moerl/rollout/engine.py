@@ -35,6 +35,10 @@ class EngineConfig:
     prefill_chunk: int = 512  # tokens of one request per prefill forward
     max_prefill_tokens: int = 4096  # prefill tokens per step, so decode keeps running while prompts arrive
     cuda_graphs: bool = True  # capture decode in CUDA graphs (CUDA only)
+    # Admit waiting requests once this many slots are free (or all that wait fit), 0 = max_batch_size // 8:
+    # a prefill is an eager forward over the whole model, so admitting one request per step as others finish
+    # would put one in nearly every decode step (measured: 3.1k tok/s instead of ~14k at 256 slots on an H200).
+    admit_batch: int = 0
     deterministic: bool = False  # report log-probs/routing from one full forward (bitwise = the trainer's)
     seed: int = 0  # draws the seed of requests that bring none
 
@@ -221,6 +225,9 @@ class Engine:
 
     def _admit(self) -> None:
         free = sorted(set(range(self.config.max_batch_size)) - set(self.running))
+        batch = self.config.admit_batch or max(1, self.config.max_batch_size // 8)
+        if self.running and len(free) < min(batch, len(self.waiting)):
+            return  # decode on; admit together once enough slots are free
         while self.waiting and free:
             req = self.waiting.pop(0)
             req.slot = free.pop(0)  # lowest free slot: keeps the decode batch a short contiguous range
