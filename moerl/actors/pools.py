@@ -103,14 +103,18 @@ class RayRolloutPool:
     """M rollout workers; dead ones are removed and replaced while capacity allows."""
 
     def __init__(self, spec: WorkerSpec, target: int, cpus_per_worker: float, gpus_per_worker: float,
-                 queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0) -> None:
+                 queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
+                 max_inflight_groups: int = 8) -> None:
         self.spec, self.target, self.queue = spec, target, queue
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.start_timeout_s = 600.0  # a replacement may wait this long for capacity before it is retried
         self.max_start_failures = 3  # workers in a row whose constructor raised: a setup error, stop the run
         self._start_failures = 0
-        options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker, "max_concurrency": 16,
-                   "max_restarts": 0}
+        # A group's call holds one actor thread until the group is done: threads for every group the controller
+        # may lease, plus some so pings and weight updates never queue behind generation (with 16 threads and 64
+        # groups leased, the engine saw 16 groups and each weight update waited for a group to finish).
+        options = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker,
+                   "max_concurrency": max_inflight_groups + 8, "max_restarts": 0}
         if _has_rollout_nodes():
             options["resources"] = {"rollout": 0.001}
         self.cls, self.options = ray.remote(RolloutWorker), options

@@ -21,7 +21,8 @@ from moerl.bench.common import Row, format_table
 
 GPU_SHAPE = ["--run.device=cuda", "--model.dtype=bfloat16", "--model.preset=medium", "--train.sft_steps=0",
              "--train.optim.lr=1e-6", "--rollout.max_new_tokens=256", "--rollout.max_seq_len=320",
-             "--rollout.max_batch_size=256", "--rollout.num_workers=1",
+             "--rollout.max_batch_size=256", "--rollout.max_inflight_groups=0", "--train.max_staleness=4",
+             "--rollout.num_workers=1",
              "--train.batch_groups=16", "--rollout.group_size=8", "--rollout.gpus_per_worker=0.45",
              "--train.gpus_per_rank=0.45", "--train.micro_batch_tokens=16384", "--ray.num_cpus=8"]
 CPU_SHAPE = ["--rollout.num_workers=1", "--rollout.cpus_per_worker=1", "--train.cpus_per_rank=1", "--ray.num_cpus=2"]
@@ -62,7 +63,8 @@ def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> d
              for k in ("fwd_bwd", "optimizer", "generate", "apply", "publish", "transfer", "step")}
     tail = rl[-max(1, len(rl) // 5):]
     return {"samples_per_s": samples / max(wall, 1e-9), "tokens_per_s": tokens / max(wall, 1e-9),
-            "reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail), "phases": phases, "inner": inner}
+            "reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail), "phases": phases, "inner": inner,
+            "stale_dropped": rows[-1].get("count/stale_dropped", 0), "groups": rows[-1].get("count/groups_done", 0)}
 
 
 def engine_alone(args: argparse.Namespace, gpu: bool, batches: int = 3) -> dict:
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("sync", "async"):
             runs[mode].append(run_loop(args, gpu, mode, base / f"{mode}-{i}"))
             r = runs[mode][-1]
-            print(f"{mode:5}: {r['samples_per_s']:.1f} samples/s, reward {r['reward']:.3f}", flush=True)
+            print(f"{mode:5}: {r['samples_per_s']:.1f} samples/s, reward {r['reward']:.3f}, "
+                  f"{r['stale_dropped']:.0f} of {r['groups']:.0f} finished groups dropped as stale", flush=True)
     sync, asyn = (sorted(runs[m], key=lambda r: r["samples_per_s"])[len(runs[m]) // 2] for m in ("sync", "async"))
     rows = [Row("throughput (async vs sync)", asyn["samples_per_s"], sync["samples_per_s"], "samples/s"),
             Row("tokens generated and trained", asyn["tokens_per_s"], sync["tokens_per_s"], "tok/s"),

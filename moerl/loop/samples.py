@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moerl.loop.types import GroupResult
@@ -19,7 +20,7 @@ class SampleBuilder:
         """Samples whose reward is known; a sample whose reward raised is failed and left out (never a zero)."""
         samples, rows = [], []
         rewards_all, lengths, staleness, failed = [], [], [], 0
-        counts_LE = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.long)
+        routed = []  # [T, L, K] per sample, counted together below
         for g in groups:
             valid = [i for i, r in enumerate(g.rewards) if r is not None]
             failed += len(g.completions) - len(valid)
@@ -31,8 +32,7 @@ class SampleBuilder:
                 c = g.completions[i]
                 samples.append(Sample(c.prompt_token_ids, c.token_ids, c.logprobs, adv, c.routed_experts))
                 if c.routed_experts is not None and c.routed_experts.numel():
-                    flat = c.routed_experts.long().permute(1, 0, 2).reshape(self.num_moe_layers, -1)
-                    counts_LE += torch.zeros_like(counts_LE).scatter_add_(1, flat, torch.ones_like(flat))
+                    routed.append(c.routed_experts.numpy())
                 rewards_all.append(g.rewards[i])
                 lengths.append(len(c.token_ids))
                 staleness.append(version - min(c.versions, default=version))
@@ -42,6 +42,11 @@ class SampleBuilder:
                              "prompt_len": len(c.prompt_token_ids), "completion_len": len(c.token_ids),
                              "finish_reason": c.finish_reason})
         n = max(1, len(rewards_all))
+        L, E = self.num_moe_layers, self.num_experts
+        # One bincount over the whole batch: small torch ops per sample cost ~2 ms each in a driver whose
+        # intra-op threads contend with the Ray workers' (measured: 1.1 s per 128-sample step on a 16-core host).
+        experts_TLK = np.concatenate(routed).astype(np.int64) if routed else np.zeros((0, L, 1), np.int64)
+        counts_LE = np.bincount((np.arange(L)[None, :, None] * E + experts_TLK).ravel(), minlength=L * E).reshape(L, E)
         stats = {
             "reward/mean": sum(rewards_all) / n,
             "samples": len(samples), "samples_failed": failed,
