@@ -10,6 +10,10 @@ publish behind its current step, `deliver(wait)` hands each started worker the b
 the newest version for workers that start later (`catch_up`). Rank 0 publishes the dense tensors, the first
 replica of each expert slice that slice (`model.is_expert_param`); tensors travel in flat buckets (buckets.py)
 whose layout is fixed for the run.
+
+broadcast.py is the third transport's core, for workers on other nodes: one collective per bucket from a trainer
+rank to a group of workers (NCCL; gloo on the CPU), formed per generation as workers come and go, failing within a
+timeout (never hanging) when a member dies. It is not wired into `RayWeightSync` yet.
 """
 
 from moerl.actors.weight_sync.buckets import Bucket, Layout, Published, pack_bucket, plan, unpack_bucket, views
