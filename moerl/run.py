@@ -201,7 +201,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
         state = controller.run()
         last["elapsed_s"] = time.monotonic() - t_start
         return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(),
-                "metrics": dict(last), "queue": queue.stats(), "failed_tasks": [t.task_id for t in queue.failed]}
+                "metrics": dict(last), "queue": queue.stats(), "failed_tasks": [t.task_id for t in queue.failed],
+                "weights": dict(weights.stats)}
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)

@@ -238,9 +238,9 @@ class RayRolloutPool:
             w.leaving = True
             w.handle.preempt.remote("run shutdown")
 
-    def started_workers(self) -> list[tuple[object, object]]:
-        """(actor handle, Location) of the workers that are up (the ones new weights go to)."""
-        return [(w.handle, w.where) for w in self.workers.values() if w.started]
+    def started_workers(self) -> list[tuple[str, object, object]]:
+        """(worker id, actor handle, Location) of the workers that are up (the ones new weights go to)."""
+        return [(worker_id, w.handle, w.where) for worker_id, w in self.workers.items() if w.started]
 
     def locations(self) -> list:
         """Every worker's Location, None for one that has not answered yet (its place is unknown)."""

@@ -126,8 +126,6 @@ class RolloutWorker:
 
     def update_weights(self, version: int, shards: list[Any]) -> int:
         """Load published weights (moerl/actors/weight_sync); returns the version the engine holds."""
-        tensors = self.receiver.receive(shards)
-
         def apply(engine: Engine) -> int:
             if version > engine.version:  # calls of a threaded actor may run out of order: never go back
                 t0 = time.perf_counter()
@@ -137,7 +135,9 @@ class RolloutWorker:
                 with self._lock:
                     self._apply_s += time.perf_counter() - t0
             return engine.version
-        return self.engine.call(apply)
+        with self.receiver.lock:  # receive and apply, one version at a time
+            tensors = self.receiver.receive(shards)
+            return self.engine.call(apply)
 
     def ping(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.engine.version,

@@ -108,13 +108,19 @@ class TrainerRank:
 
         return Location.here(self.device)
 
-    def publish(self, version: int, forms: tuple[str, ...], bucket_bytes: int) -> dict[str, list]:
-        """This rank's share of the weights in each of `forms` (moerl/actors/weight_sync/publisher.py)."""
+    def publish(self, version: int, forms: tuple[str, ...], bucket_bytes: int, timeout_s: float,
+                group: tuple[int, int] | None = None) -> dict[str, list]:
+        """This rank's share of the weights in each of `forms`; `group` = (generation, world) of the broadcast
+        group when "broadcast" is one of them (moerl/actors/weight_sync/publisher.py)."""
         from moerl.actors.weight_sync.publisher import Publisher
 
         if getattr(self, "_publisher", None) is None:
-            self._publisher = Publisher(self.trainer, self.spec.ep_size > 1, bucket_bytes)
-        return self._publisher.publish(version, forms)
+            self._publisher = Publisher(self.trainer, self.spec.ep_size > 1, bucket_bytes, timeout_s)
+        return self._publisher.publish(version, forms, group)
+
+    def export(self, version: int) -> list | None:
+        """`version` as object-store buckets if this rank still holds it (a late worker's catch-up)."""
+        return self._publisher.export(version) if getattr(self, "_publisher", None) is not None else None
 
     def save_state(self, path: str, use_async: bool) -> None:
         """Start saving this rank's share (DCP through fsspec); async returns once the state is staged."""

@@ -25,7 +25,7 @@ def main() -> None:
 
     from moerl.config import load_config
     from moerl.model import build_model
-    from moerl.rollout import Engine, EngineConfig
+    from moerl.rollout import Engine
     from moerl.run import _specs, model_architecture
     from moerl.tasks.base import load_task
 

@@ -236,15 +236,20 @@ def check_trained_once(run_dir: Path, result: dict, groups: list, steps: int) ->
 
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.timeout(150)
-def test_sigkill_worker_mid_run(tmp_path, ray_env, captured):
+@pytest.mark.parametrize("transport", ["shared", "broadcast"])
+def test_sigkill_worker_mid_run(tmp_path, ray_env, captured, transport):
     # One worker: the run can only finish through its replacement, so the replacement's start and first groups
     # are part of every run (with two, a fast run could end before the replacement came up). Weights travel
-    # through the shared transport (the CPU twin of CUDA IPC): a worker killed while it maps the trainer's
-    # buffers must not stall the publishes that follow (the other tests use the object store).
-    cfg = small_config(tmp_path, "--rollout.num_workers=1", "--weights.transport=shared", steps=30)
+    # through the CPU twins of the GPU transports (the other tests use the object store): "shared" (/dev/shm for
+    # CUDA IPC), where a worker killed while it maps the trainer's buffers must not stall later publishes, and
+    # "broadcast" (gloo for NCCL), where the kill breaks the group's collective: the trainer's send fails within
+    # its timeout on its own thread, training goes on, and the next publish forms a group with the replacement.
+    cfg = small_config(tmp_path, "--rollout.num_workers=1", f"--weights.transport={transport}",
+                       "--weights.timeout_s=5", steps=30)
     striker = Striker(tmp_path, signal.SIGKILL)
     result = run_with_striker(cfg, striker)
-    print(f"SIGKILL {striker.worker_id} pid {striker.pid}: {result['counters']} queue {result['queue']}")
+    print(f"SIGKILL {striker.worker_id} pid {striker.pid}: {result['counters']} queue {result['queue']} "
+          f"weights {result['weights']}")
 
     assert result["counters"]["workers_lost"] >= 1 and result["queue"]["lost"] >= 1
     assert not pid_alive(striker.pid)
@@ -260,6 +265,8 @@ def test_sigkill_worker_mid_run(tmp_path, ray_env, captured):
     # cold worker may take several trainer steps and is then dropped as stale, which is the gate working.)
     killed_at = striker.struck[0]["version"]
     assert all(oldest >= killed_at for _, oldest in new), (killed_at, new)
+    if transport == "broadcast":  # the replacement was sent weights by a group of its own
+        assert result["weights"]["broadcast_generations"] >= 2, result["weights"]
 
 
 @pytest.mark.timeout(150)

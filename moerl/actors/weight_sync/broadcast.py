@@ -25,14 +25,31 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from moerl.actors.weight_sync.buckets import Layout
+
 PREFIX = "moerl-weights"
 _Backend = torch._C._distributed_c10d.Backend  # what ProcessGroupGloo and ProcessGroupNCCL derive from
+
+
+@dataclass(frozen=True)
+class BroadcastShard:
+    """A rank's buckets arriving by broadcast: join generation `generation` of the rank's group (on the store at
+    host:port) as member `member` of `world`, then receive into buffers of `layouts`."""
+
+    host: str
+    port: int
+    generation: int
+    world: int
+    layouts: tuple[Layout, ...]
+    timeout_s: float
+    member: int = -1  # set per worker by the driver
 
 
 class BroadcastFailed(RuntimeError):

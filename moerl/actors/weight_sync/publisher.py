@@ -3,8 +3,11 @@ the workers can take ("shared": same-node buffers; "store": object-store buckets
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
+from moerl.actors.weight_sync.broadcast import BroadcastShard
 from moerl.actors.weight_sync.buckets import Bucket, Layout, plan, views
 from moerl.actors.weight_sync.shared import Location, SharedBuffers, remove_stale_files
 from moerl.model import is_expert_param
@@ -12,7 +15,8 @@ from moerl.train.trainer import PolicyTrainer
 
 
 class Publisher:
-    def __init__(self, trainer: PolicyTrainer, expert_parallel: bool, bucket_bytes: int) -> None:
+    def __init__(self, trainer: PolicyTrainer, expert_parallel: bool, bucket_bytes: int,
+                 timeout_s: float = 60.0) -> None:
         self.trainer = trainer
         blocks = trainer.model.moe_blocks
         offset = blocks[0].dispatcher.expert_offset if blocks and expert_parallel else None
@@ -24,6 +28,12 @@ class Publisher:
         self._shared: SharedBuffers | None = None
         self._host: list[torch.Tensor] | None = None  # pinned on a GPU rank: the store form's staging
         self._filled: tuple[int, list[torch.Tensor]] | None = None  # (version, the buffers holding it)
+        self.timeout_s = timeout_s
+        self._send: list[torch.Tensor] | None = None  # the broadcast's buffers: untouched while a send runs
+        self._sender: ThreadPoolExecutor | None = None  # forms groups and sends, so training never waits on it
+        self._job: Future | None = None
+        self._group = None  # (generation, BroadcastGroup)
+        self._store = None
 
     def fill(self, buffers: list[torch.Tensor]) -> None:
         """Gather this rank's share into `buffers` (one per layout), cast to the published dtype on the way."""
@@ -62,14 +72,73 @@ class Publisher:
         # ray.put copies the bytes into the object store, so the host buffers are free again when it returns
         return [ray.put(Bucket(layout, host.numpy())) for layout, host in zip(self.layouts, self._host)]
 
-    def publish(self, version: int, forms: tuple[str, ...]) -> dict[str, list]:
-        out = {}
+    def broadcast(self, version: int, generation: int, world: int) -> tuple[list[BroadcastShard], str]:
+        """Fill the send buffers with `version` and start sending them to generation `generation` of the group
+        (formed first when new) on a thread of its own. Returns the shard the members take and why the previous
+        send failed ("" when it did not): the driver then forms the next generation without the lost member."""
+        import ray
+
+        from moerl.actors.weight_sync.broadcast import host_store
+
+        failed = self._wait_send()
+        if not self.layouts:  # this rank publishes nothing (a data-parallel rank > 0): no group to form
+            return [], failed
+        if self._store is None:
+            self._store = host_store(ray.util.get_node_ip_address(), timeout_s=self.timeout_s)
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix="moerl-broadcast")
+            self._send = [torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device) for layout in self.layouts]
+        self.fill(self._send)
+        self._filled = (version, self._send)  # read (never written) by a catch-up's export while it is sent
+        self._job = self._sender.submit(self._send_job, generation, world)
+        shard = BroadcastShard(ray.util.get_node_ip_address(), self._store.port, generation, world,
+                               tuple(self.layouts), self.timeout_s)
+        return [shard], failed
+
+    def _send_job(self, generation: int, world: int) -> None:
+        from moerl.actors.weight_sync.broadcast import BroadcastGroup
+
+        if self._group is None or self._group[0] != generation:
+            if self._group is not None:
+                self._group[1].close()
+            self._group = None
+            self._group = (generation, BroadcastGroup(self._store, generation, 0, world, self.device, self.timeout_s))
+        self._group[1].broadcast(self._send, src=0)
+
+    def _wait_send(self) -> str:
+        """Wait (bounded: every step of a send is) for the previous send; why it failed, or ""."""
+        job, self._job = self._job, None
+        if job is None:
+            return ""
+        try:
+            job.result(timeout=3 * self.timeout_s)
+            return ""
+        except Exception as e:  # noqa: BLE001 - BroadcastFailed, or a formation that timed out
+            if self._group is not None:
+                self._group[1].close()
+                self._group = None
+            return f"{type(e).__name__}: {e}"
+
+    def export(self, version: int) -> list | None:
+        """The object-store form of `version` when this rank's buffers still hold it (a late worker's catch-up
+        after a publish in other forms); None when a newer version overwrote it."""
+        if self._filled is None or self._filled[0] != version:
+            return None if self.layouts else []
+        return self.store(version)
+
+    def publish(self, version: int, forms: tuple[str, ...], group: tuple[int, int] | None = None) -> dict[str, list]:
+        out: dict = {}
         if "shared" in forms:
             out["shared"] = self.shared(version)
         if "store" in forms:
             out["store"] = self.store(version)
+        if "broadcast" in forms and group is not None:
+            out["broadcast"], out["broadcast_failed"] = self.broadcast(version, *group)
         return out
 
     def close(self) -> None:
         if self._shared is not None:
             self._shared.close()
+        if self._group is not None:
+            self._group[1].close()
+        if self._sender is not None:
+            self._sender.shutdown(wait=False, cancel_futures=True)

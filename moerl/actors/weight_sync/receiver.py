@@ -8,9 +8,12 @@ device-local copy.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from moerl.actors.weight_sync.buckets import Bucket, Published, unpack_bucket, views
+from moerl.actors.weight_sync.broadcast import BroadcastShard
 from moerl.actors.weight_sync.shared import SharedBucket, SharedOpener
 from moerl.rollout import Engine
 
@@ -19,6 +22,10 @@ class Receiver:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._opener = SharedOpener()
+        self._groups: dict[tuple[str, int], tuple[int, object, list[torch.Tensor]]] = {}  # (generation, group, buffers)
+        # One update at a time, receive through apply: broadcasts are collectives (every member in the same
+        # order), and the next one must not refill the buffers the engine is still copying from.
+        self.lock = threading.RLock()
 
     def receive(self, shards: list) -> Published:
         """The tensors of every shard (object-store refs or buckets, shared-buffer handles), on the engine's device."""
@@ -29,9 +36,44 @@ class Receiver:
             if isinstance(shard, SharedBucket):  # already on this device: the engine copies straight from it
                 tensors.extend(views(self._opener.open(shard), shard.layout))
                 continue
+            if isinstance(shard, BroadcastShard):  # received into this worker's own buffers (the staged copy)
+                tensors.extend(self._receive_broadcast(shard))
+                continue
             bucket: Bucket = ray.get(shard) if isinstance(shard, ray.ObjectRef) else shard
             tensors.extend(stage(unpack_bucket(bucket), self.device))
         return tensors
+
+
+    def _receive_broadcast(self, shard: BroadcastShard) -> Published:
+        from moerl.actors.weight_sync.broadcast import BroadcastGroup, connect_store
+
+        key = (shard.host, shard.port)  # one group per sending rank
+        with self.lock:
+            held = self._groups.get(key)
+            if held is None or held[0] != shard.generation:
+                if held is not None:
+                    held[1].close()
+                self._groups.pop(key, None)
+                store = connect_store(shard.host, shard.port, shard.timeout_s)
+                group = BroadcastGroup(store, shard.generation, shard.member, shard.world, self.device,
+                                       shard.timeout_s)
+                buffers = held[2] if held is not None else [
+                    torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device) for layout in shard.layouts]
+                held = self._groups[key] = (shard.generation, group, buffers)
+            try:
+                held[1].broadcast(held[2], src=0)
+            except Exception:
+                held[1].close()
+                self._groups.pop(key, None)  # this generation is done for; the driver forms the next one
+                raise
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return [t for layout, buf in zip(shard.layouts, held[2]) for t in views(buf, layout)]
+
+    def close(self) -> None:
+        for _, group, _ in self._groups.values():
+            group.close()
+        self._groups.clear()
 
 
 def stage(tensors: Published, device: torch.device) -> Published:
