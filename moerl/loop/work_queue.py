@@ -14,7 +14,10 @@ Single-threaded, no Ray, no clocks: every call takes `now` (seconds, any monoton
 live while `now <= deadline`; after that it is dead even before `expire` sweeps it: `complete`,
 `hand_back` and `fail` from its worker are stale (`complete` returns False, the caller drops the result)
 and `heartbeat` no longer extends it. Several tasks put back at once keep their lease order, as one
-block at the front. Completed ids are remembered forever, so no id is completed twice or re-added.
+block at the front. A completed id is never completed twice (completing needs a live lease, and a completed
+task holds none); re-adding one is refused for the last `REMEMBER_COMPLETED` completed ids. Older ones are
+forgotten so that the state (checkpointed with every controller save) stays bounded over a long run: the
+controller's data cursor only moves forward, so it never re-adds an old id.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Literal
 from moerl.loop.types import GroupTask
 
 STATE_VERSION = 1
+REMEMBER_COMPLETED = 4096  # completed ids kept for the duplicate check (and in every checkpoint)
 COUNTERS = ("completed", "handed_back", "expired", "lost", "retried", "failed")
 
 
@@ -51,7 +55,7 @@ class WorkQueue:
         self._tasks: dict[str, GroupTask] = {}  # every pending or leased task
         self._pending: deque[str] = deque()  # ids in lease order; never an id in _leases
         self._leases: dict[str, Lease] = {}  # insertion order = grant order
-        self.completed_ids: set[str] = set()
+        self.completed_ids: dict[str, None] = {}  # the most recent completed ids, oldest first (a bounded set)
         self.failed: list[GroupTask] = []
         self._failed_ids: set[str] = set()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -111,7 +115,9 @@ class WorkQueue:
         if not self._held(task_id, worker_id, now):
             return False
         del self._leases[task_id], self._tasks[task_id]
-        self.completed_ids.add(task_id)
+        self.completed_ids[task_id] = None
+        if len(self.completed_ids) > REMEMBER_COMPLETED:
+            del self.completed_ids[next(iter(self.completed_ids))]
         self.counters["completed"] += 1
         return True
 
@@ -171,7 +177,7 @@ class WorkQueue:
                 "pending": [self._tasks[t].to_dict() for t in self._pending],
                 "leased": [{**self._tasks[t].to_dict(), "worker_id": lease.worker_id, "deadline": lease.deadline,
                             "granted_at": lease.granted_at} for t, lease in self._leases.items()],
-                "completed_ids": sorted(self.completed_ids),
+                "completed_ids": list(self.completed_ids),  # at most REMEMBER_COMPLETED, oldest first
                 "failed": [t.to_dict() for t in self.failed],
                 "counters": dict(self.counters)}
 
@@ -181,7 +187,7 @@ class WorkQueue:
         if d.get("version") != STATE_VERSION:
             raise ValueError(f"work queue state version {d.get('version')!r}, expected {STATE_VERSION}")
         self._clear()
-        self.completed_ids = set(d["completed_ids"])
+        self.completed_ids = dict.fromkeys(d["completed_ids"][-REMEMBER_COMPLETED:])  # older checkpoints: all ids
         self.failed = [GroupTask.from_dict(t) for t in d["failed"]]
         self._failed_ids = {t.task_id for t in self.failed}
         self.counters.update({k: int(v) for k, v in d["counters"].items() if k in self.counters})

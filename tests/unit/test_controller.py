@@ -167,7 +167,7 @@ def test_late_result_after_lease_expired_and_was_released_is_dropped():
     pool.results = [(ref1, ok(tid, "w1"), None)]  # w1's result is the one that reaches the trainer
     ctl._collect(timeout=0)
     assert [g.worker_id for g in ctl.state.ready] == ["w1"] and ctl.state.counters["groups_done"] == 1
-    assert queue.completed_ids == {tid}
+    assert set(queue.completed_ids) == {tid}
 
 
 def test_results_of_a_lost_worker_are_dropped_and_its_lease_requeued():

@@ -309,9 +309,9 @@ def test_random_operations_match_reference_model(seed: int) -> None:
         for tid, (hw, dl) in m.leases.items():
             lease = q.lease_of(tid)
             assert lease is not None and (lease.worker_id, lease.deadline) == (hw, dl)
-        assert q.completed_ids == m.completed
+        assert set(q.completed_ids) == m.completed
         assert [f.task_id for f in q.failed] == m.failed
-        buckets = [set(pend), set(leased_ids), q.completed_ids, {f.task_id for f in q.failed}]
+        buckets = [set(pend), set(leased_ids), set(q.completed_ids), {f.task_id for f in q.failed}]
         assert sum(len(b) for b in buckets) == len(added) and set().union(*buckets) == set(added)
         assert len(q) == len(pend) + len(leased_ids)
         assert len(completed_true) == len(set(completed_true))
@@ -327,3 +327,22 @@ def test_random_operations_match_reference_model(seed: int) -> None:
         while (t := q.lease("drain", now)) is not None:
             assert q.complete(t.task_id, "drain", now)
     assert len(q.completed_ids) + len(q.failed) == len(added)
+
+
+def test_completed_ids_stay_bounded_in_memory_and_in_the_checkpoint() -> None:
+    from moerl.loop.work_queue import REMEMBER_COMPLETED
+
+    q = WorkQueue(lease_timeout=10.0, max_attempts=1)
+    n = 3 * REMEMBER_COMPLETED
+    for i in range(n):
+        q.add(task(i))
+        assert q.lease("w", 0.0) is not None and q.complete(f"t{i}", "w", 0.0)
+    state = q.state_dict()
+    assert len(q.completed_ids) == len(state["completed_ids"]) == REMEMBER_COMPLETED
+    assert state["counters"]["completed"] == n
+    with pytest.raises(ValueError, match="already added"):  # a recent id is still refused
+        q.add(task(n - 1))
+    old = {**state, "completed_ids": [f"t{i}" for i in range(n)]}  # a checkpoint written before the bound
+    q2 = WorkQueue(lease_timeout=10.0, max_attempts=1)
+    q2.load_state_dict(old)
+    assert list(q2.completed_ids) == [f"t{i}" for i in range(n - REMEMBER_COMPLETED, n)]
