@@ -97,6 +97,7 @@ class RolloutConfig:
     threads: int = 1  # torch threads per worker
     heartbeat_s: float = 2.0  # ping period
     heartbeat_timeout_s: float = 60.0  # a worker silent this long is lost; its leases go back
+    start_timeout_s: float = 600.0  # a worker not placed and built by then is a failed start (3 in a row end the run)
     lease_timeout_s: float = 600.0  # a lease not renewed by a heartbeat this long returns to the queue
     max_attempts: int = 3  # failed generations of a group before it is recorded as failed
     grace_s: float = 90.0  # preemption: hand back and exit within this
@@ -108,6 +109,7 @@ class RolloutConfig:
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(self.max_inflight_groups >= 0, "max_inflight_groups", "must be >= 0 (0 = from max_batch_size)")
+        require(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
 
     def inflight_groups(self) -> int:
         """`max_inflight_groups`, or enough groups to fill the engine's batch twice: one batch decoding while

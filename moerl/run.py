@@ -172,7 +172,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
         queue = WorkQueue(lease_timeout=cfg.rollout.lease_timeout_s, max_attempts=cfg.rollout.max_attempts)
         workers = RayRolloutPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
                                  cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s,
-                                 cfg.rollout.heartbeat_timeout_s, cfg.rollout.inflight_groups())
+                                 cfg.rollout.heartbeat_timeout_s, cfg.rollout.inflight_groups(),
+                                 cfg.rollout.start_timeout_s)
         weights = RayWeightSync(trainer, workers, cfg.weights.transport, cfg.weights.bucket_mb << 20,
                                 cfg.weights.timeout_s)
         builder = SampleBuilder(task, cfg.train.loss.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)

@@ -104,10 +104,10 @@ class RayRolloutPool:
 
     def __init__(self, spec: WorkerSpec, target: int, cpus_per_worker: float, gpus_per_worker: float,
                  queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
-                 max_inflight_groups: int = 8) -> None:
+                 max_inflight_groups: int = 8, start_timeout_s: float = 600.0) -> None:
         self.spec, self.target, self.queue = spec, target, queue
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
-        self.start_timeout_s = 600.0  # a replacement may wait this long for capacity before it is retried
+        self.start_timeout_s = start_timeout_s  # a worker not up by then (placed and built) is a failed start
         self.max_start_failures = 3  # workers in a row whose constructor raised: a setup error, stop the run
         self._start_failures = 0
         # A group's call holds one actor thread until the group is done: threads for every group the controller
@@ -209,13 +209,17 @@ class RayRolloutPool:
             if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
                 w.ping_ref = w.handle.ping.remote()
             if now - w.last_ok > (self.heartbeat_timeout_s if w.started else self.start_timeout_s):
+                if not w.started:  # never came up: counted, so a worker that can never start ends the run
+                    self._start_failed(worker_id, TimeoutError(
+                        f"did not start within {self.start_timeout_s:.0f} s (rollout.start_timeout_s)"))
                 lost.append(worker_id)
         return lost
 
     def _start_failed(self, worker_id: str, error: Exception) -> None:
         """A worker that died in its constructor (or refused its first weights) before it ever started;
         some in a row (a task or model its environment cannot load) end the run instead of respawning forever."""
-        if not (getattr(error, "actor_init_failed", False) or isinstance(error, ray.exceptions.RayTaskError)):
+        if not (getattr(error, "actor_init_failed", False) or isinstance(error, (ray.exceptions.RayTaskError,
+                                                                                    TimeoutError))):
             return  # killed while starting (node lost): replaced like any lost worker
         self._start_failures += 1
         if self._start_failures >= self.max_start_failures:

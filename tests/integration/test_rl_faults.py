@@ -407,6 +407,35 @@ def test_task_that_fails_to_import_on_the_workers_only(tmp_path, ray_env, monkey
     assert time.monotonic() - t0 < 90
 
 
+class HangingTask(ArithmeticTask):
+    """Arithmetic whose constructor never returns inside a Ray actor (a worker that can never start: a model
+    download that hangs, a dead filesystem); the driver builds it normally."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            time.sleep(3600)
+        super().__init__(*args, **kwargs)
+
+
+@pytest.mark.timeout(150)
+def test_workers_that_never_start_end_the_run(tmp_path, ray_env):
+    """Each worker stuck in its constructor past rollout.start_timeout_s counts as a failed start; three in a
+    row end the run with the reason (they used to be respawned forever)."""
+    from moerl.run import train
+
+    cfg = small_config(tmp_path, "--task.name=tests.integration.test_rl_faults:HangingTask",
+                       "--rollout.num_workers=1", "--rollout.start_timeout_s=4", "--rollout.heartbeat_s=0.5",
+                       "--train.sft_steps=0")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert "3 rollout workers in a row failed to start" in message and "rollout.start_timeout_s" in message, message
+    assert time.monotonic() - t0 < 120
+
+
 # ------------------------------------------------------------------------------------------ worker class
 class _IMDS(http.server.ThreadingHTTPServer):
     """A fake EC2 instance metadata service: no spot notice (404) until `notice` is set."""
