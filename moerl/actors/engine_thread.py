@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
@@ -25,6 +26,7 @@ class EngineThread:
         self._futures: dict[str, Future[Completion]] = {}
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self._progress_at = time.monotonic()  # the loop's last pass: a step done, or an idle wait over
         self._thread = threading.Thread(target=self._loop, name="moerl-engine", daemon=True)
         self._thread.start()
 
@@ -32,6 +34,9 @@ class EngineThread:
                prefix: Completion | None = None) -> Future[Completion]:
         """Queue a request; the future resolves with its Completion (partial if aborted) or the submit error."""
         fut: Future[Completion] = Future()
+        if (dead := self.dead()) is not None:  # nothing would ever run it
+            fut.set_exception(dead)
+            return fut
 
         def command() -> None:
             try:
@@ -52,6 +57,8 @@ class EngineThread:
 
     def call(self, fn: Callable[[Engine], object]) -> object:
         """Run fn(engine) on the engine thread between steps and return its result (e.g. a weight update)."""
+        if (dead := self.dead()) is not None:
+            raise dead
         fut: Future = Future()
 
         def command() -> None:
@@ -60,11 +67,30 @@ class EngineThread:
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
         self._commands.put(command)
-        return fut.result()
+        while True:  # bounded by the engine thread's life: a command queued behind its crash never runs
+            try:
+                return fut.result(timeout=1.0)
+            except TimeoutError:
+                if (dead := self.dead()) is not None:
+                    raise dead from None
 
     @property
     def in_flight(self) -> int:
         return len(self._futures)
+
+    def dead(self) -> RuntimeError | None:
+        """Why the engine thread is gone (it crashed, or was stopped), or None while it runs."""
+        if self.error is not None:
+            return RuntimeError(f"engine thread died: {type(self.error).__name__}: {self.error}")
+        if not self._thread.is_alive():
+            return RuntimeError("engine thread is not running")
+        return None
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine thread last made progress while it had work (0 when idle or progressing)."""
+        if not self.engine.has_unfinished():
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
 
     def stop(self) -> None:
         self._stop.set()
@@ -90,6 +116,7 @@ class EngineThread:
                     for out in self.engine.step():
                         if out.completion is not None:
                             self._resolve(out.request_id, out.completion)
+                self._progress_at = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - surface engine crashes to every waiter
             self.error = e
             for fut in self._futures.values():

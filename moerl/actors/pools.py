@@ -190,6 +190,9 @@ class RayRolloutPool:
                 if ready:
                     try:
                         answer = ray.get(w.ping_ref)
+                        if isinstance(answer, dict) and answer.get("stalled_s", 0.0) > self.heartbeat_timeout_s:
+                            lost.append(worker_id)  # alive but its engine is stuck in one step: replace it
+                            continue
                         w.last_ok = now
                         self.queue.heartbeat(worker_id, now)
                     except ray.exceptions.RayError as e:

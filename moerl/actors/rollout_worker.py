@@ -140,7 +140,12 @@ class RolloutWorker:
             return self.engine.call(apply)
 
     def ping(self) -> dict:
+        """Liveness from the engine's progress, not from this thread: a dead engine thread fails the ping, so the
+        worker is replaced and its leases go back at once (else it answered pings and held its groups)."""
+        if (dead := self.engine.dead()) is not None:
+            raise dead
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.engine.version,
+                "stalled_s": self.engine.stalled_s(),
                 "where": weight_sync.Location.here(self.engine.engine.device),
                 "in_flight": self.engine.in_flight, "preempting": self.preempting.is_set(),
                 "stats": dict(self.engine.engine.stats)}

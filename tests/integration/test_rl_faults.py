@@ -606,3 +606,52 @@ def test_sigterm_handler_on_worker_class(in_process_workers):
     os.kill(os.getpid(), signal.SIGTERM)
     wait_for(w.preempting.is_set, 5, "SIGTERM to preempt the worker")
     assert exited.wait(w.spec.grace_s + 5) and exits == [0]
+
+
+@pytest.mark.timeout(60)
+def test_dead_engine_thread_fails_pings_groups_and_updates_at_once(in_process_workers):
+    """A worker whose engine thread died used to answer pings (renewing its leases), fail its groups only after
+    group_timeout_s with an empty TimeoutError, and never return from update_weights. Now: the ping raises (the
+    pool replaces it and its leases go back), and groups and weight updates fail at once with the cause."""
+    make, _, _ = in_process_workers
+    w = make("rollout-z", tiny_worker_spec(group_timeout_s=600.0))
+    assert w.ping()["stalled_s"] == 0.0
+
+    def crash(*_args, **_kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    w.engine.engine.step = crash
+    t0 = time.monotonic()
+    first = w.run_group(group_task())  # its requests crash the engine thread
+    assert first.status == "error" and "illegal memory access" in first.error, first
+    with pytest.raises(RuntimeError, match="engine thread died: RuntimeError: CUDA error"):
+        w.ping()
+    second = w.run_group(group_task("arith-000008", 8))  # submitted after the crash
+    assert second.status == "error" and "engine thread died" in second.error, second
+    with pytest.raises(RuntimeError, match="engine thread died"):
+        w.update_weights(5, [])
+    assert time.monotonic() - t0 < 30  # not group_timeout_s
+
+
+@pytest.mark.timeout(60)
+def test_engine_stuck_in_a_step_reports_its_stall(in_process_workers):
+    """Health comes from the engine's progress: an engine stuck in one step shows a growing `stalled_s` in its
+    pings (the pool replaces it past rollout.heartbeat_timeout_s), while an idle one shows 0."""
+    make, _, _ = in_process_workers
+    w = make("rollout-h", tiny_worker_spec())
+    release, entered = threading.Event(), threading.Event()
+    step = w.engine.engine.step
+
+    def stuck():
+        entered.set()
+        release.wait(30)
+        return step()
+
+    w.engine.engine.step = stuck
+    fut = w.engine.submit([1, 2, 3], w.spec.sampling, "stuck-0")
+    wait_for(entered.is_set, 10, "the engine to enter its step")
+    wait_for(lambda: w.ping()["stalled_s"] > 0.5, 10, "the stall to show in the ping")
+    release.set()
+    w.engine.engine.step = step
+    w.engine.abort_all()
+    fut.result(timeout=30)
