@@ -67,6 +67,7 @@ class Controller:
         self.clock = PhaseClock()  # where this loop's wall time goes, per step (moerl/loop/phases.py)
         self.inflight: dict = {}  # worker call ref -> (worker_id, task_id)
         self.training: StepInFlight | None = None
+        self._saved_step = -1  # the step of the last checkpoint saved
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
@@ -199,14 +200,14 @@ class Controller:
         self.training = StepInFlight(self.trainer.start_rl_step(samples), batch, samples, rows, stats,
                                      time.monotonic())
 
-    def _finish_training(self) -> None:
+    def _finish_training(self, start_next: bool = True) -> None:
         step, self.training = self.training, None
         with self.clock.during("train_wait"):
             metrics = self.trainer.result(step.handle, self.state.step)
         self.state.version += 1
         self.state.step += 1
         self.weights.publish(self.state.version)
-        if self.cfg.mode == "async" and not self._checkpoint_due():
+        if start_next and self.cfg.mode == "async" and not self._checkpoint_due():
             # The next step queues on the trainer right behind the publish: the trainer does not idle while
             # this process logs, leases and collects. (Not before a checkpoint: it saves this step's state.)
             self._try_start_training()
@@ -252,6 +253,7 @@ class Controller:
     def save_checkpoint(self) -> None:
         with self.clock.during("checkpoint"):
             self.checkpoints.save(self.state.step, self.trainer, self.state_dict())
+        self._saved_step = self.state.step
 
     def _graceful_stop(self) -> None:
         """Preempt every worker so in-flight groups come back as partials, then save and stop."""
@@ -260,9 +262,10 @@ class Controller:
         while self.inflight and time.monotonic() < deadline:
             self._collect(timeout=0.2)
         if self.training is not None:  # let a running optimizer step finish: it is part of the state
-            while not self.trainer.done(self.training.handle):
-                time.sleep(0.05)
-            self._finish_training()
+            # ... but start no next one: the save must see one cut, the trainer at exactly the saved step and
+            # every completed group either trained in it or in the saved ready buffer (issue 17 item 5).
+            self._finish_training(start_next=False)
         if self.checkpoints is not None:
-            self.save_checkpoint()
+            if self._saved_step != self.state.step:  # not just saved by the finished step's own schedule
+                self.save_checkpoint()
             self.checkpoints.wait()

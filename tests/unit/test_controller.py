@@ -317,3 +317,33 @@ def test_phase_clock_partitions_wall_time():
     assert clock.lap()["time/step_s"] == 0.75
     with pytest.raises(ValueError, match="unknown phase 'lunch'"):
         clock.switch("lunch")
+
+
+class FakeCheckpoints:
+    def __init__(self) -> None:
+        self.saves: list[tuple[int, int, dict]] = []  # (step, trainer steps started, controller state)
+
+    def save(self, step, trainer, controller_state):
+        self.saves.append((step, len(trainer.steps), controller_state))
+
+    def poll(self):
+        return None
+
+    def wait(self):
+        return None
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_graceful_stop_saves_one_consistent_cut(mode):
+    """SIGTERM mid-run: the saved trainer has run exactly the saved controller's steps, and every completed
+    group is either trained in them or in the saved ready buffer (async mode used to start the next step before
+    saving: the trainer one step ahead, that step's groups in neither)."""
+    ctl, queue, pool = controller(workers=("w0", "w1"), auto=True, mode=mode, steps=50, batch_groups=2,
+                                  max_inflight_per_worker=4, max_staleness=4)
+    ctl.checkpoints = FakeCheckpoints()
+    ctl.stop_requested = lambda: ctl.state.step >= 3
+    state = ctl.run()
+    (step, trainer_steps, saved), = ctl.checkpoints.saves
+    assert step == state.step == saved["step"] == trainer_steps >= 3
+    completed = saved["queue"]["counters"]["completed"]
+    assert completed == step * 2 + len(saved["ready"]) + saved["counters"]["stale_dropped"]
