@@ -135,7 +135,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     import ray
 
     from moerl.actors.checkpointer import Checkpointer
-    from moerl.actors.pools import RayRolloutPool, RayTrainerGroup
+    from moerl.actors.pools import RayRolloutPool, RayTrainerGroup, TrainerLost
     from moerl.actors.weight_sync.sync import RayWeightSync
     from moerl.loop.controller import Controller
     from moerl.loop.samples import SampleBuilder
@@ -199,20 +199,25 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
             dropped = log.truncate_after(restored[0])  # steps after the checkpoint are trained (and logged) again
             progress.message(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}"
                              + (f"; dropped {dropped} log rows of later steps" if dropped else ""))
-        state = controller.run()
+        try:
+            state = controller.run()
+        except TrainerLost as e:
+            latest = checkpointer.latest()
+            raise TrainerLost(f"{e}; " + (f"the newest committed checkpoint is step {latest}: resume with --resume"
+                                          if latest is not None else "no checkpoint was committed (checkpoint.every "
+                                          "is 0 or was not reached), so a new run starts from step 0")) from None
         last["elapsed_s"] = time.monotonic() - t_start
         return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(),
                 "metrics": dict(last), "queue": queue.stats(), "failed_tasks": [t.task_id for t in queue.failed],
                 "weights": dict(weights.stats)}
-    finally:
+    finally:  # each step runs even when one before it fails (a failing log.close() used to skip ray.shutdown())
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
-        progress.close()
-        log.close()
-        try:
-            write_plots(run_dir)
-        except Exception as e:  # noqa: BLE001 - plots are a convenience; never lose the run over them
-            print(f"warning: plots not written: {e}")
+        for what, close in (("progress", progress.close), ("run log", log.close), ("plots", lambda: write_plots(run_dir))):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - the run's outcome (or its exception) is what matters here
+                print(f"warning: {what} not closed cleanly: {type(e).__name__}: {e}")
         if started_ray:
             ray.shutdown()
 
@@ -234,7 +239,13 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}")
         return 2
-    result = train(cfg, resume=resume)
+    from moerl.actors.pools import TrainerLost
+
+    try:
+        result = train(cfg, resume=resume)
+    except TrainerLost as e:
+        print(f"error: {e}" + (f" (moerl train {' '.join(argv)} --resume)" if "--resume" in str(e) else ""))
+        return 1
     m = result["metrics"]
     print(f"done: {cfg.train.steps} steps in {m.get('elapsed_s', 0):.0f}s, final reward/mean "
           f"{m.get('reward/mean', float('nan')):.3f}; outputs in {cfg.run.dir}")

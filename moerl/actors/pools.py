@@ -21,6 +21,11 @@ from moerl.loop.work_queue import WorkQueue
 from moerl.train.batching import split_by_tokens
 
 
+class TrainerLost(RuntimeError):
+    """A trainer rank's process died: the ranks cannot go on without it (they restart together, from a
+    checkpoint)."""
+
+
 def _has_rollout_nodes() -> bool:
     return any(n["Alive"] and n["Resources"].get("rollout", 0) > 0 for n in ray.nodes())
 
@@ -42,20 +47,37 @@ class RayTrainerGroup:
                 rank_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             self.ranks.append(cls.options(**rank_options).remote(r, num_ranks, spec))
         self.timeout_s = spec.collective_timeout_s
-        master = ray.get(self.ranks[0].rendezvous.remote(), timeout=self.timeout_s)  # on rank 0's own node
-        ray.get([r.join.remote(master) for r in self.ranks], timeout=self.timeout_s)  # the group is up
+        master = self._get([self.ranks[0].rendezvous.remote()], "start-up")[0]  # on rank 0's own node
+        self._get([r.join.remote(master) for r in self.ranks], "start-up")  # the group is up
+
+    def _get(self, refs: list, what: str) -> list:
+        """ray.get, with a dead rank named (not a raw ActorDiedError)."""
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            dead = []
+            for i, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    dead.append(i)
+                except Exception:  # noqa: BLE001 - not done, or failed otherwise: not the dead one
+                    pass
+            cause = next((line.strip() for line in str(e).splitlines() if "exit" in line.lower()
+                          or "died" in line.lower()), type(e).__name__)
+            raise TrainerLost(f"trainer rank {', '.join(map(str, dead)) or '?'} died during {what} ({cause})") from None
 
     def save_state(self, path: str, use_async: bool) -> None:
-        ray.get([r.save_state.remote(path, use_async) for r in self.ranks], timeout=self.timeout_s)
+        self._get([r.save_state.remote(path, use_async) for r in self.ranks], "a checkpoint save")
 
     def save_done(self) -> list:
         return [r.wait_save.remote() for r in self.ranks]
 
     def load_state(self, path: str) -> int:
-        return ray.get([r.load_state.remote(path) for r in self.ranks], timeout=self.timeout_s)[0]
+        return self._get([r.load_state.remote(path) for r in self.ranks], "a checkpoint load")[0]
 
     def set_lr(self, lr: float) -> None:
-        ray.get([r.set_lr.remote(lr) for r in self.ranks], timeout=self.timeout_s)
+        self._get([r.set_lr.remote(lr) for r in self.ranks], "set_lr")
 
     @staticmethod
     def shard(samples: list, num_ranks: int) -> list[list]:
@@ -85,7 +107,7 @@ class RayTrainerGroup:
             late = [i for i, ref in enumerate(refs) if ref in missing]
             raise TimeoutError(f"trainer step {step}: rank(s) {late} did not finish within {self.timeout_s:.0f} s "
                                "(straggler or hang; the others wait in a collective)")
-        return ray.get(refs)[0]
+        return self._get(refs, f"trainer step {step}")[0]
 
 
 @dataclass

@@ -655,3 +655,61 @@ def test_engine_stuck_in_a_step_reports_its_stall(in_process_workers):
     w.engine.engine.step = step
     w.engine.abort_all()
     fut.result(timeout=30)
+
+
+def _descends_from_us(pid: int) -> bool:
+    """Is `pid` under this process (our own local Ray: its raylet is our child, its workers the raylet's)?"""
+    for _ in range(16):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            return False
+        if pid == os.getpid():
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def _trainer_pids() -> list[int]:
+    """This run's processes whose title Ray set to a TrainerRank actor's (`ray::TrainerRank...`)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::TrainerRank") and _descends_from_us(int(entry)):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.timeout(150)
+def test_trainer_death_names_the_rank_and_how_to_resume(tmp_path, ray_env, capsys):
+    """A trainer rank killed mid-run ends the run with one line naming the rank and the checkpoint to resume
+    from (it used to be a raw ActorDiedError)."""
+    from moerl.run import main
+
+    overrides = [f"--run.dir={tmp_path}", "--train.sft_steps=0", "--train.steps=200", "--train.batch_groups=2",
+                 f"--rollout.group_size={GROUP}", "--rollout.num_workers=1", "--checkpoint.every=2"]
+    killed: list[int] = []
+
+    def strike() -> None:
+        deadline = time.monotonic() + 100
+        while last_step(tmp_path) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = _trainer_pids()
+        if pids:
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+
+    striker = threading.Thread(target=strike, daemon=True)
+    striker.start()
+    code = main([str(DEMO), *overrides])
+    striker.join(timeout=10)
+    out = capsys.readouterr().out
+    assert killed and code == 1, out
+    line = [x for x in out.splitlines() if x.startswith("error:")][-1]
+    assert "trainer rank 0 died" in line and "newest committed checkpoint is step" in line and "--resume" in line, line
