@@ -15,7 +15,7 @@ import ray
 
 from moerl.actors.pools import RayTrainerGroup
 from moerl.checkpoint import (
-    CONTROLLER_FILE, CheckpointStore, decode_controller_state, encode_controller_state, write_arch,
+    CONTROLLER_FILE, TRAINER_DIR, CheckpointStore, decode_controller_state, encode_controller_state, write_arch,
 )
 from moerl.loop.types import STATE_CLASSES
 from moerl.model.config import MoEModelConfig
@@ -32,7 +32,7 @@ class Checkpointer:
     def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
         self.wait()  # one upload at a time: commit the previous one first
         self.store.begin(step)
-        trainer.save_state(f"{self.store.step_path(step)}/trainer", self.use_async)
+        trainer.save_state(f"{self.store.step_path(step)}/{TRAINER_DIR}", self.use_async)
         self.store.write_bytes(step, CONTROLLER_FILE,
                                encode_controller_state(controller_state, classes=STATE_CLASSES))
         write_arch(self.store, step, self.arch, self.dtype)
@@ -52,8 +52,9 @@ class Checkpointer:
             return None
         step, refs = self.pending
         self.pending = None
-        ray.get(refs)
-        self.store.commit(step, {"fingerprint": self.fingerprint})
+        # each rank hashed its files while writing them: the manifest takes those, never a re-read
+        sums = {f"{TRAINER_DIR}/{name}": crc for rank in ray.get(refs) for name, crc in rank.items()}
+        self.store.commit(step, {"fingerprint": self.fingerprint}, checksums=sums)
         self.store.prune(self.keep)
         return step
 
@@ -64,12 +65,12 @@ class Checkpointer:
         step = self.store.latest_step()
         if step is None:
             raise FileNotFoundError(f"--resume: no committed checkpoint under {self.store.root!r}")
-        self.store.verify(step)
+        self.store.verify(step)  # sizes and checksums: a corrupted file stops the resume, named
         saved = self.store.read_manifest(step).get("fingerprint", {})
         mismatched = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if saved.get(k) != v}
         if mismatched:
             raise ValueError(f"--resume: checkpoint step {step} was written with another configuration: "
                              + ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items()))
-        trainer.load_state(f"{self.store.step_path(step)}/trainer")
+        trainer.load_state(f"{self.store.step_path(step)}/{TRAINER_DIR}")
         state = decode_controller_state(self.store.read_bytes(step, CONTROLLER_FILE), classes=STATE_CLASSES)
         return step, state

@@ -129,11 +129,10 @@ class TrainerRank:
         self.wait_save()
         self._pending_save = save_trainer_state(self.trainer, path, use_async=use_async)
 
-    def wait_save(self) -> bool:
+    def wait_save(self) -> dict[str, str]:
+        """The checksums of the files this rank's last save wrote (none when no save is pending)."""
         pending, self._pending_save = getattr(self, "_pending_save", None), None
-        if pending is not None:
-            pending.result()
-        return True
+        return pending.result() if pending is not None else {}
 
     def load_state(self, path: str) -> int:
         from moerl.checkpoint.trainer_state import load_trainer_state

@@ -4,7 +4,8 @@
     store.begin(step)                                    # clear a stale attempt at this step
     fut = save_trainer_state(trainer, f"{store.step_path(step)}/trainer", use_async=True)  # every trainer rank
     store.write_bytes(step, "controller.pt", encode_controller_state(state, classes=...)); write_arch(store, step, cfg)
-    fut.result(); store.commit(step, {"fingerprint": {...}}); store.prune(keep)      # after every rank's upload
+    sums = fut.result()  # this rank's files, hashed while written; gather every rank's, under "trainer/"
+    store.commit(step, {"fingerprint": {...}}, checksums={f"trainer/{k}": v for k, v in sums.items()}); store.prune(keep)
     step = store.latest_step(); load_trainer_state(trainer, f"{store.step_path(step)}/trainer")
 """
 

@@ -83,7 +83,7 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, d
         step = store.latest_step()
         if step is None:
             raise CheckpointError(f"{checkpoint_root}: no committed checkpoint to export")
-    store.verify(step)  # a partial step names its missing files here rather than failing mid-read
+    store.verify(step)  # a partial or corrupted step names its files here rather than exporting garbage
     config = read_arch(store, step)
     state = gather_model_state(f"{store.step_path(step)}/{TRAINER_DIR}")
     dtype = dtype or read_arch_dtype(store, step)

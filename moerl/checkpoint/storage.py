@@ -5,31 +5,45 @@ Layout under the root, one directory per step:
     <root>/step-00000012/trainer/...       torch.distributed.checkpoint files (every trainer rank writes)
     <root>/step-00000012/controller.pt     the controller's state (see controller_state.py)
     <root>/step-00000012/arch.json         the model architecture (HF config.json dict), for export
-    <root>/step-00000012/COMMIT            JSON manifest, written LAST: the step exists only once it does
+    <root>/step-00000012/COMMIT            JSON manifest, written LAST: the step exists only once it does;
+                                           every file's size and checksum (checksum.py)
     <root>/latest                          text "step-00000012", written after the COMMIT
 
 A crash anywhere before the COMMIT leaves a directory that every reader ignores, so the previous committed
 step stays the one resumed from. The S3 endpoint comes from the standard AWS variables (`AWS_ENDPOINT_URL`,
 honoured by botocore >= 1.31, which s3fs uses), so any S3-compatible store works. Messages never include
 the filesystem object or its options: they may hold credentials.
+
+Checksums are taken from the bytes as they are written (`write_bytes` here, DCP's writer threads in
+trainer_state.py, passed to `commit`) and checked by `verify`, which resume and export call. A manifest
+written before checksums existed has none: its steps are checked by size only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
-from typing import Any
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import fsspec
 from fsspec.core import url_to_fs
 
+from moerl.checkpoint.checksum import PREFIX, checksum, fmt
 from moerl.model.config import CheckpointError
+
+log = logging.getLogger(__name__)
 
 COMMIT = "COMMIT"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-_RESERVED = ("step", "files", "created")
+CHECKSUMS = "checksums"
+_RESERVED = ("step", "files", "created", CHECKSUMS)
+_READ_BLOCK = 16 << 20  # verify streams each file in blocks of this size: never a whole file in memory
+_VERIFY_THREADS = 8  # files are hashed in parallel (zlib releases the GIL; S3 reads overlap)
 
 
 def step_name(step: int) -> str:
@@ -42,6 +56,7 @@ class CheckpointStore:
         self.root = root.rstrip("/")
         self._path = path.rstrip("/")  # root without the protocol, as fs methods take it
         self._local = "file" in _protocols(self._fs)
+        self._written: dict[int, dict[str, str]] = {}  # step -> name -> checksum of what write_bytes wrote
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -61,9 +76,11 @@ class CheckpointStore:
         Needed after resuming from an older step: the step directory may hold a COMMIT of the abandoned
         timeline, and new files written under it must never look committed before the new COMMIT."""
         self._remove_step(step)
+        self._written.pop(step, None)
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
         self._put(self._p(step_name(step), name), data)
+        self._written.setdefault(step, {})[name] = checksum(data)  # of the very buffer written: no re-read
 
     def read_bytes(self, step: int, name: str) -> bytes:
         path = self._p(step_name(step), name)
@@ -93,8 +110,13 @@ class CheckpointStore:
         return out
 
     # ------------------------------------------------------------------ commit and discovery
-    def commit(self, step: int, manifest_extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """List the files present (with sizes) into the manifest, write COMMIT, then `latest`."""
+    def commit(self, step: int, manifest_extra: dict[str, Any] | None = None,
+               checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """List the files present (with sizes and checksums) into the manifest, write COMMIT, then `latest`.
+
+        checksums: relative path -> checksum of files written elsewhere (the trainer ranks' DCP files, from
+        `save_trainer_state`'s future); those of `write_bytes` are known already. A file with none is hashed
+        by reading it back, with a warning: correct, but a second full read of what the writer saw."""
         extra = dict(manifest_extra or {})
         clash = [k for k in extra if k in _RESERVED]
         if clash:
@@ -102,7 +124,14 @@ class CheckpointStore:
         files = {k: v for k, v in self._files(step).items() if k != COMMIT and not k.endswith(".tmp")}
         if not files:
             raise CheckpointError(f"{self.step_path(step)}: nothing to commit (no files written)")
-        manifest = {"step": step, "files": files, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        known = {**self._written.pop(step, {}), **(checksums or {})}
+        unhashed = sorted(set(files) - set(known))
+        if unhashed:
+            log.warning("%s: no checksum recorded while writing %s; reading back to hash",
+                        self.step_path(step), ", ".join(unhashed[:5]) + (" ..." if len(unhashed) > 5 else ""))
+            known.update(zip(unhashed, self._pool(lambda n: self._hash_file(step, n), unhashed)))
+        sums = {name: known[name] for name in files}
+        manifest = {"step": step, "files": files, CHECKSUMS: sums, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     **extra}
         self._put(self._p(step_name(step), COMMIT), json.dumps(manifest, indent=1, sort_keys=True).encode())
         self._put(self._p(LATEST), step_name(step).encode())
@@ -158,8 +187,12 @@ class CheckpointStore:
         return committed[-1] if committed else None
 
     def verify(self, step: int) -> dict[str, Any]:
-        """Raise CheckpointError naming every file missing or of another size than the manifest says."""
+        """Raise CheckpointError naming every file missing, of another size than the manifest says, or (read
+        in full and hashed) whose checksum does not match the manifest's."""
         manifest = self.read_manifest(step)
+        sums = manifest.get(CHECKSUMS, {})  # absent: written before checksums, checked by size only
+        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+            raise CheckpointError(f"{self.step_path(step)}/{COMMIT}: '{CHECKSUMS}' is not a table of strings")
         present = self._files(step)
         problems = []
         for name, size in sorted(manifest["files"].items()):
@@ -169,7 +202,31 @@ class CheckpointStore:
                 problems.append(f"{name} has {present[name]} bytes, the manifest says {size}")
         if problems:
             raise CheckpointError(f"{self.step_path(step)}: incomplete checkpoint: " + "; ".join(problems))
+        if not sums:
+            log.info("%s: manifest has no checksums (an older checkpoint): sizes checked only", self.step_path(step))
+        names = sorted(n for n in sums if n in manifest["files"])
+        for name, got in zip(names, self._pool(lambda n: self._hash_file(step, n), names)):
+            if not sums[name].startswith(PREFIX):
+                problems.append(f"{name}: unknown checksum {sums[name]!r} in the manifest")
+            elif got != sums[name]:
+                problems.append(f"{name}: checksum does not match ({got}, the manifest says {sums[name]})")
+        if problems:
+            raise CheckpointError(f"{self.step_path(step)}: corrupted checkpoint: " + "; ".join(problems))
         return manifest
+
+    def _hash_file(self, step: int, name: str) -> str:
+        crc = 0
+        with self._fs.open(self._p(step_name(step), name), "rb", block_size=_READ_BLOCK) as f:
+            while chunk := f.read(_READ_BLOCK):
+                crc = zlib.crc32(chunk, crc)
+        return fmt(crc)
+
+    @staticmethod
+    def _pool(fn: Callable[[str], str], items: list[str]) -> list[str]:
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        with ThreadPoolExecutor(min(_VERIFY_THREADS, len(items))) as pool:
+            return list(pool.map(fn, items))
 
     # ------------------------------------------------------------------ retention
     def prune(self, keep: int) -> list[int]:

@@ -23,18 +23,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pickle
 import re
 import warnings
 import weakref
 from concurrent.futures import Future
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moerl.checkpoint.checksum import HashingStream
 from moerl.model.config import CheckpointError
 from moerl.model.moe import SparseMoEBlock
 from moerl.model.transformer import MoECausalLM
@@ -187,25 +190,69 @@ def _checkpoint_group(trainer) -> dist.ProcessGroup:
 WRITER_THREADS = 4
 
 
-def save_trainer_state(trainer, path: str, *, use_async: bool, thread_count: int = WRITER_THREADS) -> Future | None:
+class _HashingFS:
+    """DCP's filesystem wrapper, hashing every file it writes as the bytes go out (DCP opens, writes and
+    renames its files itself, so this is where the bytes can be seen without reading them back). `sums`:
+    path relative to the checkpoint -> checksum; a rename (DCP writes .metadata.tmp, then renames it) moves
+    the entry. Everything else passes through."""
+
+    def __init__(self, inner: Any, root: str, sums: dict[str, str]) -> None:
+        self._inner, self._root, self.sums = inner, root.rstrip("/") + "/", sums
+
+    def _rel(self, path: Any) -> str:
+        p = os.fspath(path)
+        return p[len(self._root):] if p.startswith(self._root) else os.path.basename(p)
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self._inner.create_stream(path, mode) as raw:
+            if "r" in mode:
+                yield raw
+                return
+            stream = HashingStream(raw)
+            yield stream
+        self.sums[self._rel(path)] = stream.hexdigest()  # only once the file closed without error
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self._inner.rename(path, new_path)
+        if (s := self.sums.pop(self._rel(path), None)) is not None:
+            self.sums[self._rel(new_path)] = s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def save_trainer_state(trainer, path: str, *, use_async: bool,
+                       thread_count: int = WRITER_THREADS) -> Future[dict[str, str]]:
     """Write this rank's state under `path` (local dir or s3://...); all trainer ranks call it together.
 
+    Returns a Future of the checksums of the files this rank wrote (relative to `path`), hashed while they
+    were written: pass them (every rank's, under the step's trainer directory) to `CheckpointStore.commit`.
     use_async=True returns once the state is copied (staged) to CPU memory; the upload runs in a thread and
-    the returned Future completes when every file and the DCP metadata are written. Wait on it before
-    committing the step. A save first waits for the previous upload of this trainer."""
+    the Future completes when every file and the DCP metadata are written. Wait on it before committing the
+    step. use_async=False returns it completed. A save first waits for the previous upload of this trainer."""
     _, FsspecWriter = _fsspec()
     previous = _IN_FLIGHT.pop(trainer, None)
     if previous is not None:
         previous.result()
     writer = FsspecWriter(path, thread_count=thread_count, overwrite=True)  # begin() cleared the step anyway
+    writer.fs = _HashingFS(writer.fs, os.fspath(writer.path), {})
     kwargs: dict[str, Any] = {"no_dist": True} if trainer.group is None else {"process_group": _checkpoint_group(trainer)}
     sd = trainer_state_dict(trainer)
+    done: Future[dict[str, str]] = Future()
     if not use_async:
         dcp.save(sd, storage_writer=writer, **kwargs)
-        return None
-    future = dcp.async_save(sd, storage_writer=writer, **kwargs)
-    _IN_FLIGHT[trainer] = future
-    return future
+        done.set_result(dict(writer.fs.sums))
+        return done
+
+    def finished(f: Future) -> None:
+        if f.exception() is not None:
+            done.set_exception(f.exception())
+        else:
+            done.set_result(dict(writer.fs.sums))
+    dcp.async_save(sd, storage_writer=writer, **kwargs).add_done_callback(finished)
+    _IN_FLIGHT[trainer] = done
+    return done
 
 
 # ---------------------------------------------------------------------------------------- load

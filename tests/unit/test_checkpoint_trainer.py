@@ -7,8 +7,10 @@ the helpers here.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import zlib
 
 import pytest
 import torch
@@ -230,3 +232,79 @@ def test_storage_paths_must_stay_inside_the_checkpoint(tmp_path, path):
     _forge(tmp_path / "ck", "model/model.norm.weight", tmp_path / "pwned", bytes_entry=False, path=path)
     with pytest.raises(CheckpointError, match="is not a plain path inside the checkpoint"):
         load_trainer_state(make_trainer(), str(tmp_path / "ck"))
+
+
+# ------------------------------------------------------------------------------------------ integrity
+class _LocalTrainer:
+    """What Checkpointer.restore drives (RayTrainerGroup.load_state), on one in-process trainer."""
+
+    def __init__(self, trainer: PolicyTrainer) -> None:
+        self.trainer = trainer
+
+    def load_state(self, path: str) -> int:
+        load_trainer_state(self.trainer, path)
+        return self.trainer.steps_done
+
+
+def _committed(tmp_path, use_async: bool = True):
+    """A step written the way Checkpointer writes one: trainer checksums from the save's future."""
+    from moerl.actors.checkpointer import Checkpointer
+    from moerl.checkpoint import CONTROLLER_FILE, encode_controller_state
+    from moerl.loop.types import STATE_CLASSES
+
+    tr = trained(steps=1, bias_rate=0.0)
+    ckpt = Checkpointer(str(tmp_path / "ckpts"), keep=2, arch=tr.model.config, fingerprint={})
+    store = ckpt.store
+    store.begin(1)
+    fut = save_trainer_state(tr, f"{store.step_path(1)}/trainer", use_async=use_async)
+    store.write_bytes(1, CONTROLLER_FILE, encode_controller_state({"steps": 1}, classes=STATE_CLASSES))
+    write_arch(store, 1, tr.model.config)
+    manifest = store.commit(1, checksums={f"trainer/{k}": v for k, v in fut.result().items()})
+    return tr, ckpt, manifest
+
+
+def test_a_flipped_byte_of_the_same_size_is_refused_by_verify_resume_and_export(tmp_path, caplog):
+    """The manifest used to record sizes only: a flipped byte passed verify and export wrote NaNs."""
+    with caplog.at_level("WARNING", logger="moerl.checkpoint.storage"):
+        tr, ckpt, manifest = _committed(tmp_path)
+    assert not caplog.records  # every checksum came from the writers: nothing was read back to hash
+    assert set(manifest["checksums"]) == set(manifest["files"])
+    ckpt.store.verify(1)
+    victim = max((n for n in manifest["files"] if n.endswith(".distcp")), key=manifest["files"].get)
+    path = tmp_path / "ckpts" / "step-00000001" / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))  # same size
+    match = rf"corrupted checkpoint: {victim}: checksum does not match"
+    with pytest.raises(CheckpointError, match=match):
+        ckpt.store.verify(1)
+    with pytest.raises(CheckpointError, match=match):
+        ckpt.restore(_LocalTrainer(make_trainer(bias_rate=0.0)))
+    with pytest.raises(CheckpointError, match=match):
+        export_policy(ckpt.store.root, str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_manifest_without_checksums_still_resumes_and_exports(tmp_path):
+    """Checkpoints written before checksums: sizes only, no crash."""
+    tr, ckpt, manifest = _committed(tmp_path, use_async=False)
+    commit = tmp_path / "ckpts" / "step-00000001" / "COMMIT"
+    old = {k: v for k, v in json.loads(commit.read_text()).items() if k != "checksums"}
+    commit.write_text(json.dumps(old))
+    assert "checksums" not in ckpt.store.verify(1)
+    fresh = make_trainer(seed=3, bias_rate=0.0)
+    step, state = ckpt.restore(_LocalTrainer(fresh))
+    assert step == 1 and state == {"steps": 1} and fresh.steps_done == 1
+    assert_same(snapshot(fresh), snapshot(tr))
+    assert export_policy(ckpt.store.root, str(tmp_path / "hf")).joinpath("config.json").is_file()
+
+
+def test_commit_hashes_by_reading_back_only_files_it_was_not_given(tmp_path, caplog):
+    store = CheckpointStore(str(tmp_path / "ckpts"))
+    store.write_bytes(1, "a.bin", b"written here")
+    (tmp_path / "ckpts" / "step-00000001" / "b.bin").write_bytes(b"written by someone else")
+    with caplog.at_level("WARNING", logger="moerl.checkpoint.storage"):
+        sums = store.commit(1)["checksums"]
+    assert "while writing b.bin; reading back" in caplog.text and "a.bin" not in caplog.text
+    assert sums == {"a.bin": f"crc32:{zlib.crc32(b'written here'):08x}",
+                    "b.bin": f"crc32:{zlib.crc32(b'written by someone else'):08x}"}
