@@ -158,6 +158,14 @@ class CheckpointConfig:
     dir: str = ""  # local path or s3://bucket/prefix; empty = <run.dir>/checkpoints
     every: int = 0  # save every N optimizer steps; 0 = no periodic saves
     keep: int = 3  # how many most recent checkpoints to keep
+    timeout_s: float = 1800.0  # one save (the trainer's upload included) may take this long before it counts as failed
+    max_failures: int = 3  # consecutive failed saves that end the run (a failed save is retried at the next interval)
+
+    def validate(self) -> None:
+        require(self.every >= 0, "every", "must be >= 0 (0 = no periodic saves)")
+        require(self.keep >= 1, "keep", "must be >= 1")
+        require(self.timeout_s > 0, "timeout_s", "must be > 0")
+        require(self.max_failures >= 1, "max_failures", "must be >= 1")
 
 
 @dataclass

@@ -149,13 +149,15 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     task = load_task(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
     arch = model_architecture(cfg, task)
     worker_spec, trainer_spec = _specs(cfg, arch, task)
+    checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
+                                dtype=cfg.model.dtype, timeout_s=cfg.checkpoint.timeout_s,
+                                max_failures=cfg.checkpoint.max_failures)
+    checkpointer.store.probe()  # before Ray starts: a run that cannot save finds out now, not at its first save
+    if resume and checkpointer.latest() is None:
+        raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")
     started_ray = _init_ray(cfg)
     if cfg.run.deterministic:
         cfg.train.mode = "sync"  # deterministic = sync, fixed seeds, batches in task order (docs/checkpoints.md)
-    checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
-                                dtype=cfg.model.dtype)
-    if resume and checkpointer.latest() is None:
-        raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")
     stop = threading.Event()
     previous_handler = None
     if threading.current_thread() is threading.main_thread():
@@ -240,10 +242,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}")
         return 2
     from moerl.actors.pools import TrainerLost
+    from moerl.model.config import CheckpointError
 
     try:
         result = train(cfg, resume=resume)
-    except TrainerLost as e:
+    except (TrainerLost, CheckpointError) as e:
         print(f"error: {e}" + (f" (moerl train {' '.join(argv)} --resume)" if "--resume" in str(e) else ""))
         return 1
     m = result["metrics"]

@@ -11,34 +11,59 @@ A checkpoint whose upload never finished has no COMMIT and is ignored: the previ
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import ray
 
-from moerl.actors.pools import RayTrainerGroup
+from moerl.actors.pools import RayTrainerGroup, TrainerLost
 from moerl.checkpoint import (
     CONTROLLER_FILE, TRAINER_DIR, CheckpointStore, decode_controller_state, encode_controller_state, write_arch,
 )
 from moerl.loop.types import STATE_CLASSES
-from moerl.model.config import MoEModelConfig
+from moerl.model.config import CheckpointError, MoEModelConfig
 
 
 class Checkpointer:
     def __init__(self, root: str, keep: int, arch: MoEModelConfig, fingerprint: dict, use_async: bool = True,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, timeout_s: float = 1800.0, max_failures: int = 3) -> None:
         self.store, self.keep, self.arch, self.fingerprint = CheckpointStore(root), keep, arch, fingerprint
         self.dtype = dtype  # the run's compute dtype, recorded for `moerl export`
         self.use_async = use_async
+        self.timeout_s, self.max_failures = timeout_s, max_failures
         self.pending: tuple[int, list] | None = None  # (step, trainer save refs) awaiting commit
+        self.failures = 0  # consecutive failed saves; a committed one resets it
+        self.failed_total = 0
 
     def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
+        """Start saving `step`. A save that fails is counted and training goes on (the next interval tries
+        again); `max_failures` in a row raise CheckpointError. A dead trainer rank is not a storage fault."""
         self.wait()  # one upload at a time: commit the previous one first
-        self.store.begin(step)
-        trainer.save_state(f"{self.store.step_path(step)}/{TRAINER_DIR}", self.use_async)
-        self.store.write_bytes(step, CONTROLLER_FILE,
-                               encode_controller_state(controller_state, classes=STATE_CLASSES))
-        write_arch(self.store, step, self.arch, self.dtype)
-        self.pending = (step, trainer.save_done())
+        try:
+            self.store.begin(step)
+            trainer.save_state(f"{self.store.step_path(step)}/{TRAINER_DIR}", self.use_async)
+            self.store.write_bytes(step, CONTROLLER_FILE,
+                                   encode_controller_state(controller_state, classes=STATE_CLASSES))
+            write_arch(self.store, step, self.arch, self.dtype)
+            self.pending = (step, trainer.save_done())
+        except TrainerLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - storage faults: named, counted, training goes on
+            self._failed(step, e)
+            return
         if not self.use_async:
             self.wait()
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        self.failures += 1
+        self.failed_total += 1
+        cause = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        where = self.store.step_path(step)
+        message = f"checkpoint step {step} to {where} failed: {type(error).__name__}: {cause}{_free_space(where)}"
+        if self.failures >= self.max_failures:
+            raise CheckpointError(f"{message}; {self.failures} saves in a row failed (checkpoint.max_failures)")
+        print(f"warning: {message}; training goes on, the next save tries again "
+              f"({self.failures} of checkpoint.max_failures={self.max_failures} in a row)", flush=True)
 
     def poll(self) -> int | None:
         """Commit the pending checkpoint if its uploads are done; returns the committed step."""
@@ -52,10 +77,18 @@ class Checkpointer:
             return None
         step, refs = self.pending
         self.pending = None
-        # each rank hashed its files while writing them: the manifest takes those, never a re-read
-        sums = {f"{TRAINER_DIR}/{name}": crc for rank in ray.get(refs) for name, crc in rank.items()}
-        self.store.commit(step, {"fingerprint": self.fingerprint}, checksums=sums)
-        self.store.prune(self.keep)
+        try:
+            # each rank hashed its files while writing them: the manifest takes those, never a re-read
+            ranks = ray.get(refs, timeout=self.timeout_s)
+            sums = {f"{TRAINER_DIR}/{name}": crc for rank in ranks for name, crc in rank.items()}
+            self.store.commit(step, {"fingerprint": self.fingerprint}, checksums=sums)
+            self.store.prune(self.keep)
+        except ray.exceptions.RayActorError:
+            raise  # a dead trainer rank: the run ends (pools.TrainerLost names it), not a storage fault
+        except Exception as e:  # noqa: BLE001 - an upload that failed or never finished: the step stays uncommitted
+            self._failed(step, e)
+            return None
+        self.failures = 0
         return step
 
     def latest(self) -> int | None:
@@ -74,3 +107,16 @@ class Checkpointer:
         trainer.load_state(f"{self.store.step_path(step)}/{TRAINER_DIR}")
         state = decode_controller_state(self.store.read_bytes(step, CONTROLLER_FILE), classes=STATE_CLASSES)
         return step, state
+
+
+def _free_space(path: str) -> str:
+    """", N MiB free on that filesystem" for a local path (ENOSPC surfaces from DCP as `enforce fail ...`)."""
+    if "://" in path:
+        return ""
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        return f" ({shutil.disk_usage(probe or '.').free >> 20} MiB free there)"
+    except OSError:
+        return ""

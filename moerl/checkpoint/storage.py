@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import time
+import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -50,9 +51,13 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+# Every S3 call is bounded: a black-hole endpoint stalled one call for 420 s with botocore's defaults.
+_S3_OPTIONS = {"config_kwargs": {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 3}}}
+
+
 class CheckpointStore:
     def __init__(self, root: str) -> None:
-        self._fs, path = url_to_fs(root)
+        self._fs, path = url_to_fs(root, **(_S3_OPTIONS if root.startswith(("s3://", "s3a://")) else {}))
         self.root = root.rstrip("/")
         self._path = path.rstrip("/")  # root without the protocol, as fs methods take it
         self._local = "file" in _protocols(self._fs)
@@ -61,6 +66,29 @@ class CheckpointStore:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         return self._fs
+
+    def probe(self, timeout_s: float = 60.0) -> None:
+        """Write and delete a small object under the root, within `timeout_s`: a run finds out that it cannot
+        save before it trains, not at its first checkpoint. Raises CheckpointError naming the root and cause."""
+        name = self._p(f".moerl-probe-{uuid.uuid4().hex}")
+
+        def write_and_delete() -> None:
+            self._fs.makedirs(self._path, exist_ok=True)
+            with self._fs.open(name, "wb") as f:
+                f.write(b"moerl write probe\n")
+            self._fs.rm(name)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="moerl-probe")
+        try:
+            pool.submit(write_and_delete).result(timeout=timeout_s)
+        except TimeoutError:
+            raise CheckpointError(f"checkpoint.dir {self.root!r}: a test write did not finish within {timeout_s:.0f} s "
+                                  "(unreachable endpoint?)") from None
+        except Exception as e:  # noqa: BLE001 - credentials, permissions, a missing bucket: named, not dumped
+            cause = next((line for line in str(e).splitlines() if line.strip()), "")
+            raise CheckpointError(f"checkpoint.dir {self.root!r} is not writable: {type(e).__name__}: {cause}") from None
+        finally:
+            pool.shutdown(wait=False)
 
     def step_path(self, step: int) -> str:
         """The step directory as a URL (s3://... or a local path): what torch.distributed.checkpoint takes."""
