@@ -189,6 +189,19 @@ class RayConfig:
     num_cpus: int = 0  # CPUs for a local Ray; 0 = let Ray decide
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SECRET_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
+_RESERVED_ENV = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "MOERL_CONFIG_B64"})
+_SECRET_WORDS = frozenset({"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY"})
+
+
+def _looks_secret(name: str) -> bool:
+    """An env name such as AWS_SECRET_ACCESS_KEY, HF_TOKEN, DB_PASSWORD or OPENAI_API_KEY (not TOKENIZERS_...)."""
+    words = name.upper().split("_")
+    return bool(_SECRET_WORDS.intersection(words)) or words[-1] == "KEY" or "ACCESS_KEY" in name.upper()
+
+
 _TOLERATION = re.compile(r"[A-Za-z0-9./_-]+(=[A-Za-z0-9._-]*)?(:(NoSchedule|PreferNoSchedule|NoExecute))?")
 
 
@@ -220,7 +233,10 @@ class LaunchConfig:
     cpus_per_node: float = 0.0  # CPU request per pod; 0 = the preset's (vCPUs less room for daemons)
     memory_gib_per_node: int = 0  # memory request per pod; 0 = the preset's
     tolerations: list[str] = field(default_factory=lambda: ["nvidia.com/gpu:NoSchedule"])  # `key[=value][:effect]`
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for every pod
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every pod (plain values: no secrets)
+    # environment from Kubernetes Secrets for every pod: NAME -> "secret-name/key" (valueFrom.secretKeyRef);
+    # the values never enter the manifests, the dry run or the config the pods receive (docs/eks.md)
+    secret_env: dict[str, str] = field(default_factory=dict)
     volumes: dict[str, str] = field(default_factory=dict)  # PersistentVolumeClaim name -> mount path
     ray_port: int = 6379  # Ray head (GCS) port on trainer rank 0
     head_wait_s: int = 1800  # a rollout pod without a Ray head this long exits (the trainer job is over)
@@ -245,6 +261,18 @@ class LaunchConfig:
                     f"entry {spec!r} is not `key[=value][:NoSchedule|PreferNoSchedule|NoExecute]`")
         require(all(p.startswith("/") for p in self.volumes.values()), "volumes", "mount paths must be absolute")
         require(1 <= self.ray_port <= 65535, "ray_port", "must be a TCP port")
+        for name in self.env:
+            require(not _looks_secret(name), "env", f"entry {name!r} looks like a credential: plain env is "
+                    "printed in the manifests; put it in a Kubernetes Secret and name it in launch.secret_env")
+        for name, ref in self.secret_env.items():
+            require(_ENV_NAME.fullmatch(name) is not None, "secret_env",
+                    f"name {name!r} is not an environment variable name")
+            secret, _, key = ref.partition("/")
+            require(_SECRET_NAME.fullmatch(secret) is not None and _SECRET_KEY.fullmatch(key) is not None,
+                    "secret_env", f"entry {name!r} is {ref!r}, not 'secret-name/key' (a Secret's DNS name, '/', "
+                    "a key of it)")
+            require(name not in self.env, "secret_env", f"entry {name!r} is also in launch.env")
+            require(name not in _RESERVED_ENV, "secret_env", f"entry {name!r} is set by moerl launch itself")
 
 
 @dataclass

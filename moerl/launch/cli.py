@@ -5,8 +5,14 @@
     moerl launch configs/eks-p5en.toml --scheduler kubernetes                 # submit (docs/eks.md)
 
 On kubernetes: a Secret with Ray's auth token, the trainer Volcano job and the rollout Volcano job (TorchX's
-requests, shaped by launch/kubernetes.py). `--dryrun` prints them as YAML documents (`kubectl apply -f -`
+requests, shaped by launch/kubernetes.py). `--dryrun` prints the jobs as YAML documents (`kubectl apply -f -`
 takes them as they are) and submits nothing. On local_cwd: the trainer app only, its log followed here.
+
+No secret value is ever printed. The token is generated only when a real launch creates its Secret (and a
+relaunch keeps the existing one); the dry run prints no Secret document, only a YAML comment with the
+`kubectl create secret generic ...` line that makes one with a random token. (A Secret document without its
+value would apply as an empty Secret: the pods would fail on the missing key, and the `kubectl create` after it
+on AlreadyExists.) `launch.secret_env` entries are `secretKeyRef`s to Secrets the user creates.
 """
 
 from __future__ import annotations
@@ -36,25 +42,75 @@ def _manifests(runner: Any, plan: Any) -> list[tuple[Any, dict[str, Any] | None]
 
 
 def kubernetes_manifests(plan: Any) -> list[dict[str, Any]]:
-    """The Secret and the Volcano Jobs that `plan` submits, without submitting them."""
+    """The Secret (without its token) and the Volcano Jobs that `plan` submits, without submitting them."""
     from torchx.runner import get_runner
 
     with get_runner() as runner:
         return [plan.secret, *(job for _, job in _manifests(runner, plan))]
 
 
-def _create_secret(secret: dict[str, Any]) -> None:
+def dryrun_header(plan: Any) -> str:
+    """YAML comments before the dry run's documents: how to make the token Secret; which Secrets must exist."""
+    from moerl.launch.kubernetes import create_secret_command
+
+    lines = ["moerl launch --dryrun: nothing was submitted; `kubectl apply -f -` takes these as they are.",
+             "Ray's auth token is not printed. Create its Secret once, before applying (a real launch does):",
+             f"  {create_secret_command(plan.secret)}"]
+    refs = sorted({(k, v) for p in plan.apps if p.shape for k, v in p.shape.secret_env.items()})
+    if refs:
+        lines.append(f"These Secrets (launch.secret_env) must exist in namespace {plan.secret['metadata']['namespace']}:")
+        lines += [f"  {env} <- secret {name!r}, key {key!r}" for env, (name, key) in refs]
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def _core_api() -> Any:
     from kubernetes import client, config
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    return client.CoreV1Api()
+
+
+def _create_secret(secret: dict[str, Any]) -> None:
+    """Create Ray's token Secret with a fresh random token; an existing one (a relaunch) is kept."""
+    from kubernetes import client
+
+    from moerl.launch.kubernetes import with_token
+
     try:
-        client.CoreV1Api().create_namespaced_secret(secret["metadata"]["namespace"], secret)
+        _core_api().create_namespaced_secret(secret["metadata"]["namespace"], with_token(secret))
     except client.ApiException as e:
         if e.status != 409:  # it exists: a relaunch keeps the token
-            raise
+            raise RuntimeError(f"cannot create Secret {secret['metadata']['name']}: HTTP {e.status} {e.reason}") from None
+
+
+def _missing_secrets(plan: Any) -> list[str]:
+    """`launch.secret_env` references whose Secret or key is missing (checked by key name; values are not read
+    out). A 403 (no `get` on Secrets) skips the check."""
+    from kubernetes import client
+
+    namespace = plan.scheduler_cfg["namespace"]
+    refs = {(k, v) for p in plan.apps if p.shape for k, v in p.shape.secret_env.items()}
+    if not refs:
+        return []
+    api, found, missing = _core_api(), {}, []
+    for env, (name, key) in sorted(refs):
+        if name not in found:
+            try:
+                found[name] = set((api.read_namespaced_secret(name, namespace).data or {}).keys())
+            except client.ApiException as e:
+                if e.status == 403:
+                    print(f"warning: cannot read Secrets in {namespace} to check launch.secret_env", file=sys.stderr)
+                    return []
+                if e.status != 404:
+                    raise RuntimeError(f"cannot read Secret {name}: HTTP {e.status} {e.reason}") from None
+                found[name] = None
+        if found[name] is None or key not in found[name]:
+            missing.append(f"launch.secret_env {env}: Secret {name!r} in namespace {namespace} "
+                           f"{'does not exist' if found[name] is None else f'has no key {key!r}'}")
+    return missing
 
 
 def _local(runner: Any, info: Any) -> int:
@@ -101,9 +157,13 @@ def main(argv: list[str]) -> int:
         jobs = [job for _, job in infos if job is not None]
         assert plan.secret is not None and len(jobs) == len(infos), "a kubernetes plan shapes every job"
         if args.dryrun:
-            print("# moerl launch --dryrun: nothing was submitted; `kubectl apply -f -` takes these as they are")
-            print(to_yaml([plan.secret, *jobs]), end="")
+            print(dryrun_header(plan) + to_yaml(jobs), end="")
             return 0
+        missing = _missing_secrets(plan)
+        if missing:
+            print("error: " + "; ".join(missing) + " (kubectl create secret generic NAME -n NAMESPACE "
+                  "--from-literal=KEY=...)", file=sys.stderr)
+            return 2
         _create_secret(plan.secret)
         namespace = plan.scheduler_cfg["namespace"]
         for (info, _), job in zip(infos, jobs):

@@ -6,7 +6,7 @@
         --head moerl-trainer-trainer-0-0.moerl-trainer.default.svc.cluster.local:6379 --image IMAGE --nodes 4
 
 The trainer app runs `moerl train` on the config (read here, resolved with the overrides, and shipped in
-$MOERL_CONFIG_B64): in `local` mode as one process with its own Ray; in `cluster` mode rank 0 starts the
+$MOERL_CONFIG_B64 without `launch.env`/`launch.secret_env`): in `local` mode as one process with its own Ray; in `cluster` mode rank 0 starts the
 Ray head and runs the controller and the other ranks join it. It restarts as a whole (max_retries, the
 APPLICATION retry policy). The rollout app's pods join that Ray cluster with the `rollout` resource and
 are retried one by one (REPLICA), elastically from `min_nodes`. TorchX has no field for capacity type,
@@ -15,9 +15,10 @@ TorchX's component linter reads these signatures: keep typing.Optional/List/Dict
 """
 
 # ruff: noqa: UP006, UP035, UP045 - TorchX 0.7's component linter needs typing.Optional/List/Dict
+import dataclasses
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from torchx import specs
 
@@ -29,6 +30,16 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}  # aws-ofi-nccl >= 1.6 picks NCCL_PROTO itself
 
 
+def pod_config(cfg: Any) -> str:
+    """What the pods receive in $MOERL_CONFIG_B64: the resolved config without `launch.env` and
+    `launch.secret_env` (the pods get those as their environment, and their values must not travel in a
+    base64 string that anyone who can read the Volcano job decodes)."""
+    from moerl.config import dump_toml
+
+    launch = dataclasses.replace(cfg.launch, env={}, secret_env={})
+    return encode_config(dump_toml(dataclasses.replace(cfg, launch=launch)))
+
+
 def resource(cpu: float, gpus: int, memory_gib: float, efa: int, instance_type: str) -> specs.Resource:
     return specs.Resource(cpu=cpu, gpu=gpus, memMB=int(memory_gib * 2**30 / 1e6),  # TorchX writes "<memMB>M"
                           capabilities={INSTANCE_TYPE_LABEL: instance_type} if instance_type else {},
@@ -38,7 +49,7 @@ def resource(cpu: float, gpus: int, memory_gib: float, efa: int, instance_type: 
 def trainer_app(config_b64: str, name: str, image: str = "", nodes: int = 1, mode: str = "local",
                 res: Optional[specs.Resource] = None, ray_port: int = 6379, max_retries: int = 0,
                 wait_s: int = 1800, env: Optional[Dict[str, str]] = None, python: str = "") -> specs.AppDef:
-    """The trainer app for an already resolved config (`encode_config(dump_toml(cfg))`)."""
+    """The trainer app for an already resolved config (`pod_config(cfg)`)."""
     if mode not in ("local", "cluster"):
         raise ValueError(f"trainer mode must be 'local' or 'cluster', got {mode!r}")
     if mode == "local" and nodes != 1:
@@ -93,10 +104,10 @@ def trainer(
         overrides: config overrides, `section.key=value` (comma-separated)
         python: interpreter to run (default: this one in local mode, `python` in cluster mode)
     """
-    from moerl.config import MoerlConfig, dump_toml, load_config
+    from moerl.config import MoerlConfig, load_config
 
     cfg: MoerlConfig = load_config(config, overrides or [])
-    return trainer_app(encode_config(dump_toml(cfg)), name or cfg.run.name, image, nodes, mode,
+    return trainer_app(pod_config(cfg), name or cfg.run.name, image, nodes, mode,
                        resource(cpu, gpus, memory_gib, efa, instance_type), ray_port, max_retries, wait_s, env,
                        python)
 

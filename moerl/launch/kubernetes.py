@@ -11,7 +11,8 @@ takes the dry-run request (`AppDryRunInfo.request.resource`) and adds:
   and the rollout job's pods must reach the Ray head (and it them);
 - nodeSelector `eks.amazonaws.com/capacityType` (ON_DEMAND / SPOT) and `topology.kubernetes.io/zone`,
   tolerations, `terminationGracePeriodSeconds`, hugepages-2Mi (libfabric, with EFA), PVC volumes;
-- Ray token authentication: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret (`token_secret`);
+- Ray token authentication: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret (`token_secret`), and
+  `launch.secret_env` as `valueFrom.secretKeyRef`: no secret value is ever written into a manifest;
 - Volcano policies: trainer rank 0 finishing completes the job (TaskCompleted -> CompleteJob); a rollout
   pod failed or evicted (spot) is restarted alone (RestartTask); `minAvailable` gangs the trainer pods.
 """
@@ -39,6 +40,7 @@ class JobShape:
     hugepages_mib: int = 0
     volumes: dict[str, str] = field(default_factory=dict)  # PVC claim -> mount path
     token_secret: str = ""  # Secret with key `token`: Ray's auth token
+    secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)  # env name -> (Secret, key)
     policies: list[dict[str, str]] = field(default_factory=list)  # replace every task's Volcano policies
     rank0_policies: list[dict[str, str]] = field(default_factory=list)  # added to task 0's
 
@@ -60,9 +62,21 @@ def toleration(spec: str) -> dict[str, str]:
 
 
 def token_secret(name: str, namespace: str) -> dict[str, Any]:
+    """The Secret for Ray's auth token, without the token: only `with_token` (a real launch) adds one."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "moerl"}},
-            "stringData": {"token": secrets.token_hex(32)}}
+            "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "moerl"}}}
+
+
+def with_token(secret: dict[str, Any]) -> dict[str, Any]:
+    """`secret` with a fresh random token (32 bytes, hex): created in the cluster, never printed."""
+    return {**secret, "stringData": {"token": secrets.token_hex(32)}}
+
+
+def create_secret_command(secret: dict[str, Any]) -> str:
+    """The one-line kubectl command that creates `secret` with a random token (what a real launch does)."""
+    meta = secret["metadata"]
+    return (f"kubectl create secret generic {meta['name']} -n {meta['namespace']} "
+            f'--from-literal=token="$(openssl rand -hex 32)"')
 
 
 def _replace(obj: Any, old: str, new: str) -> Any:
@@ -119,6 +133,9 @@ def _shape_pod(pod: dict[str, Any], shape: JobShape) -> None:
                 {"name": "RAY_AUTH_MODE", "value": "token"},
                 {"name": "RAY_AUTH_TOKEN",
                  "valueFrom": {"secretKeyRef": {"name": shape.token_secret, "key": "token"}}}])
+        c.setdefault("env", []).extend(
+            {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+            for env, (secret, key) in shape.secret_env.items())
 
 
 def to_yaml(docs: list[dict[str, Any]]) -> str:

@@ -12,10 +12,9 @@ from typing import Any
 
 from torchx.specs import AppDef
 
-from moerl.config import ConfigError, MoerlConfig, dump_toml
-from moerl.launch.components import resource, rollout, trainer_app
+from moerl.config import ConfigError, MoerlConfig
+from moerl.launch.components import pod_config, resource, rollout, trainer_app
 from moerl.launch.kubernetes import JobShape, head_address, token_secret
-from moerl.launch.node import encode_config
 from moerl.launch.presets import PRESETS, InstanceType
 
 SCHEDULERS = ("local_cwd", "kubernetes")
@@ -34,7 +33,7 @@ class Plan:
     scheduler: str
     apps: list[Planned]
     scheduler_cfg: dict[str, Any] = field(default_factory=dict)
-    secret: dict[str, Any] | None = None  # Ray's auth token (kubernetes)
+    secret: dict[str, Any] | None = None  # Ray's auth token Secret, without its value (kubernetes; see cli.py)
 
 
 def job_base_name(cfg: MoerlConfig) -> str:
@@ -98,7 +97,7 @@ def check(cfg: MoerlConfig, scheduler: str) -> None:
 def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
     """What to submit for `cfg` on `scheduler`; raises ConfigError for bad input."""
     check(cfg, scheduler)
-    name, config_b64 = job_base_name(cfg), encode_config(dump_toml(cfg))
+    name, config_b64 = job_base_name(cfg), pod_config(cfg)
     if scheduler == "local_cwd":  # the trainer app only: rollout workers are actors in the local Ray
         return Plan(scheduler, [Planned(trainer_app(config_b64, name, mode="local"))],
                     {"log_dir": str(Path(cfg.run.dir).absolute() / "torchx")})
@@ -110,7 +109,8 @@ def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
                    efa, itype.name)
     secret = f"{name}-ray-token"
     common: dict[str, Any] = {"zone": la.zone, "namespace": la.namespace, "tolerations": list(la.tolerations),
-                              "volumes": dict(la.volumes), "token_secret": secret}
+                              "volumes": dict(la.volumes), "token_secret": secret,
+                              "secret_env": {k: tuple(v.split("/", 1)) for k, v in la.secret_env.items()}}
     trainer_job = f"{name}-trainer"
     apps = [Planned(trainer_app(config_b64, name, la.image, la.trainer_nodes, "cluster", res, la.ray_port,
                                 la.trainer_max_retries, la.head_wait_s, dict(la.env)),

@@ -59,6 +59,15 @@ def test_eks_config_loads_and_round_trips() -> None:
     ("--launch.name=Not_A_Label", "launch.name"),
     ("--launch.hugepages_mib=5121", "launch.hugepages_mib"),
     ("--launch.gpus_per_node=-2", "launch.gpus_per_node"),
+    ("--launch.secret_env.AWS_SECRET_ACCESS_KEY=aws-creds", "launch.secret_env"),  # no key
+    ("--launch.secret_env.AWS_SECRET_ACCESS_KEY=AWS_Creds/key", "launch.secret_env"),  # not a DNS name
+    ("--launch.secret_env.AWS_SECRET_ACCESS_KEY=aws-creds/", "launch.secret_env"),
+    ("--launch.secret_env.AWS_SECRET_ACCESS_KEY=aws-creds/a/b", "launch.secret_env"),
+    ("--launch.secret_env.1BAD=aws-creds/key", "launch.secret_env"),
+    ("--launch.secret_env.RAY_AUTH_TOKEN=mine/token", "launch.secret_env"),
+    ("--launch.secret_env.AWS_REGION=aws-creds/region", "launch.secret_env"),  # also in launch.env
+    ("--launch.env.HF_TOKEN=hf_abc", "launch.env"),  # a credential as plain env
+    ("--launch.env.AWS_SECRET_ACCESS_KEY=abc", "launch.env"),
 ])
 def test_launch_section_rejects(override: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
@@ -181,6 +190,117 @@ def test_rollout_finds_the_head_and_jobs_restart_as_designed(manifests: list[dic
         assert job["metadata"]["namespace"] == "moerl" == manifests[0]["metadata"]["namespace"]
 
 
+def test_secret_env_error_is_one_line_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as e:
+        eks("--launch.secret_env.AWS_SECRET_ACCESS_KEY=no-slash")
+    assert "\n" not in str(e.value) and str(e.value).startswith("config key 'launch.secret_env'")
+    assert "'AWS_SECRET_ACCESS_KEY'" in str(e.value) and "secret-name/key" in str(e.value)
+    assert eks("--launch.env.TOKENIZERS_PARALLELISM=false").launch.env["TOKENIZERS_PARALLELISM"] == "false"
+
+
+SECRET_ENV = ["--launch.secret_env.AWS_ACCESS_KEY_ID=aws-creds/id",
+              "--launch.secret_env.AWS_SECRET_ACCESS_KEY=aws-creds/secret", "--launch.secret_env.HF_TOKEN=hf/token"]
+
+
+def test_secret_env_renders_secret_key_refs_on_every_pod() -> None:
+    docs = cli.kubernetes_manifests(plan(eks(*SECRET_ENV), "kubernetes"))
+    js = jobs(docs)
+    assert set(js) == {"qwen3-grpo-trainer", "qwen3-grpo-rollout"}
+    for job in js.values():
+        for pod in pods(job):
+            env = env_of(pod)
+            assert env["AWS_ACCESS_KEY_ID"] == {"name": "AWS_ACCESS_KEY_ID",
+                                                "valueFrom": {"secretKeyRef": {"name": "aws-creds", "key": "id"}}}
+            assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "aws-creds", "key": "secret"}
+            assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+            assert all("value" not in env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"))
+    for version in K8S_VERSIONS:
+        for job in js.values():
+            kubernetes_validate.validate(pod_templates(job)[0], version, strict=True)
+
+
+def test_pods_config_has_no_launch_env_or_secret_env() -> None:
+    cfg = eks(*SECRET_ENV, "--launch.env.MY_VALUE=plain-sentinel-4711")
+    p = plan(cfg, "kubernetes")
+    shipped = [role.env["MOERL_CONFIG_B64"] for pl in p.apps for role in pl.app.roles if "MOERL_CONFIG_B64" in role.env]
+    assert shipped
+    local = plan(load_config(DEMO, ["--launch.env.MY_VALUE=plain-sentinel-4711", *SECRET_ENV]), "local_cwd")
+    shipped.append(local.apps[0].app.roles[0].env["MOERL_CONFIG_B64"])
+    for b64 in shipped:
+        text = base64.b64decode(b64).decode()
+        for needle in ("plain-sentinel-4711", "MY_VALUE", "AWS_REGION", "aws-creds", "HF_TOKEN"):
+            assert needle not in text
+        got = config_from_dict(tomllib.loads(text), MoerlConfig)
+        assert got.launch.env == {} and got.launch.secret_env == {}
+    got = config_from_dict(tomllib.loads(base64.b64decode(shipped[0]).decode()), MoerlConfig)
+    assert got.train == cfg.train and got.launch.trainer_nodes == cfg.launch.trainer_nodes
+    # the plain value is in the pods' env (where the nodes need it), and nowhere else in the manifests
+    docs = cli.kubernetes_manifests(p)
+    assert str(docs).count("plain-sentinel-4711") == len(pods(jobs(docs)["qwen3-grpo-trainer"])) + len(
+        pods(jobs(docs)["qwen3-grpo-rollout"]))
+
+
+def test_dryrun_never_prints_the_token(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from moerl.launch import kubernetes
+
+    monkeypatch.setattr(kubernetes.secrets, "token_hex", lambda n=32: "f00d" * 16)
+    assert cli.main([str(EKS), "--scheduler", "kubernetes", "--dryrun", *SECRET_ENV]) == 0
+    out = capsys.readouterr()
+    assert "f00d" not in out.out + out.err and "stringData" not in out.out
+    docs = [d for d in yaml.safe_load_all(out.out) if d]
+    assert [d["kind"] for d in docs] == ["Job", "Job"]
+    assert ('# kubectl create secret generic qwen3-grpo-ray-token -n moerl '
+            '--from-literal=token="$(openssl rand -hex 32)"') in out.out.replace("#   ", "# ")
+    assert "AWS_SECRET_ACCESS_KEY <- secret 'aws-creds', key 'secret'" in out.out
+
+
+def test_real_launch_creates_the_token_secret_without_printing_it(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    from torchx.runner.api import Runner
+
+    from moerl.launch import kubernetes
+
+    class Api:
+        created: list[dict] = []
+
+        def create_namespaced_secret(self, namespace: str, body: dict) -> None:
+            self.created.append(body)
+
+        def read_namespaced_secret(self, name: str, namespace: str):
+            return type("S", (), {"data": {"id": "eA==", "secret": "eA==", "token": "eA=="}})()
+
+    monkeypatch.setattr(kubernetes.secrets, "token_hex", lambda n=32: "f00d" * 16)
+    monkeypatch.setattr(cli, "_core_api", Api)
+    monkeypatch.setattr(Runner, "schedule", lambda self, info: f"kubernetes://moerl/{info.request.resource['metadata']['name']}")
+    assert cli.main([str(EKS), "--scheduler", "kubernetes", *SECRET_ENV]) == 0
+    out = capsys.readouterr()
+    assert [s["stringData"]["token"] for s in Api.created] == ["f00d" * 16]
+    assert "f00d" not in out.out + out.err and out.out.count("submitted") == 2
+
+
+def test_real_launch_refuses_a_missing_secret(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from kubernetes.client import ApiException
+    from torchx.runner.api import Runner
+
+    class Api:
+        def read_namespaced_secret(self, name: str, namespace: str):
+            if name == "hf":
+                raise ApiException(status=404, reason="Not Found")
+            return type("S", (), {"data": {"id": "eA=="}})()
+
+        def create_namespaced_secret(self, namespace: str, body: dict) -> None:
+            raise AssertionError("created the token Secret though the launch is refused")
+
+    def refuse(*_a, **_k):
+        raise AssertionError("submitted")
+
+    monkeypatch.setattr(cli, "_core_api", Api)
+    monkeypatch.setattr(Runner, "schedule", refuse)
+    assert cli.main([str(EKS), "--scheduler", "kubernetes", *SECRET_ENV]) == 2
+    err = capsys.readouterr().err
+    assert "Secret 'hf' in namespace moerl does not exist" in err and "has no key 'secret'" in err
+
+
 def test_dryrun_prints_yaml_and_submits_nothing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from torchx.runner.api import Runner
 
@@ -192,8 +312,8 @@ def test_dryrun_prints_yaml_and_submits_nothing(monkeypatch: pytest.MonkeyPatch,
     assert cli.main([str(EKS), "--scheduler", "kubernetes", "--dryrun", "--launch.rollout_nodes=2",
                      "--launch.rollout_min_nodes=1", "--rollout.num_workers=16"]) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
-    assert [d["kind"] for d in docs] == ["Secret", "Job", "Job"]
-    assert len(docs[2]["spec"]["tasks"]) == 2
+    assert [d["kind"] for d in docs] == ["Job", "Job"]  # the token Secret is a comment: see the next test
+    assert len(docs[1]["spec"]["tasks"]) == 2
 
 
 def test_cli_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
