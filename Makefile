@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	RAY_AUTH_MODE=disabled $(VENV)/bin/moerl train configs/demo.toml
+	$(VENV)/bin/moerl train configs/demo.toml
 
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -ra

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -103,6 +105,14 @@ def _fingerprint(cfg: MoerlConfig, arch: MoEModelConfig) -> dict:
             "ep_size": cfg.ep.size, "num_ranks": cfg.train.num_ranks, "task": cfg.task.name}
 
 
+def _local_ray_auth(cfg: MoerlConfig) -> None:
+    """A private local Ray gets token authentication unless the environment says otherwise: its servers listen
+    on every interface, and with the token nothing else on the network can use them. Ray reads the mode when it
+    is imported, so this runs first; when the caller has imported Ray already, its own setting stands."""
+    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def _init_ray(cfg: MoerlConfig) -> bool:
     """Join `ray.address` (or RAY_ADDRESS), else start a private local Ray on 127.0.0.1; True if we started it."""
     import ray
@@ -110,11 +120,13 @@ def _init_ray(cfg: MoerlConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
-    if not address:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance on 127.0.0.1
     init = {"address": address} if address else {
         "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-    ray.init(**init, log_to_driver=cfg.run.log_level == "debug", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    env_vars = {"OMP_NUM_THREADS": "1"}
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "") if not address else ""
+    if loopback:  # gloo's connections of a local run stay on loopback (by default it listens on the host's IP)
+        env_vars["GLOO_SOCKET_IFNAME"] = loopback
+    ray.init(**init, log_to_driver=cfg.run.log_level == "debug", runtime_env={"env_vars": env_vars})
     return True
 
 
@@ -132,6 +144,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
 
     resume: continue from the newest committed checkpoint under `checkpoint.dir` (trainer and controller
     state, in-flight work included); SIGTERM to this process saves a checkpoint and stops cleanly."""
+    _local_ray_auth(cfg)
     import ray
 
     from moerl.actors.checkpointer import Checkpointer

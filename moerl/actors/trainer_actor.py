@@ -7,7 +7,6 @@ rank 0 has named a rendezvous address on its own node (`rendezvous`), which may 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,21 +56,24 @@ class TrainerRank:
             torch.cuda.set_device(index)
             self.device = f"cuda:{index}"
 
-    @staticmethod
-    def rendezvous() -> str:
-        """host:port on this node for the group's TCP rendezvous (asked of rank 0)."""
-        import ray
+    def rendezvous(self) -> str:
+        """Rank 0 hosts the group's rendezvous store on its node's address (only there: the store has no
+        authentication) and returns host:port."""
+        from moerl.actors.weight_sync.broadcast import host_store, node_address
 
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return f"{host}:{s.getsockname()[1]}"
+        host = node_address()
+        self._store = host_store(host, timeout_s=self.spec.collective_timeout_s)
+        return f"{host}:{self._store.port}"
 
     def join(self, master: str) -> int:
         spec = self.spec
         backend = "nccl" if spec.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master}", rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=spec.collective_timeout_s))
+        timeout = timedelta(seconds=spec.collective_timeout_s)
+        store = getattr(self, "_store", None)
+        if store is None:
+            host, port = master.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), None, False, timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         groups = trainer_groups(spec.ep_size, torch.device(self.device).type)
         master_dtype = getattr(torch, spec.master_dtype)
         kwargs = dict(dtype=master_dtype, device=self.device, expert_parallel_group=groups.ep,

@@ -76,21 +76,19 @@ class Publisher:
         """Fill the send buffers with `version` and start sending them to generation `generation` of the group
         (formed first when new) on a thread of its own. Returns the shard the members take and why the previous
         send failed ("" when it did not): the driver then forms the next generation without the lost member."""
-        import ray
-
-        from moerl.actors.weight_sync.broadcast import host_store
+        from moerl.actors.weight_sync.broadcast import host_store, node_address
 
         failed = self._wait_send()
         if not self.layouts:  # this rank publishes nothing (a data-parallel rank > 0): no group to form
             return [], failed
         if self._store is None:
-            self._store = host_store(ray.util.get_node_ip_address(), timeout_s=self.timeout_s)
+            self._store = host_store(node_address(), timeout_s=self.timeout_s)
             self._sender = ThreadPoolExecutor(1, thread_name_prefix="moerl-broadcast")
             self._send = [torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device) for layout in self.layouts]
         self.fill(self._send)
         self._filled = (version, self._send)  # read (never written) by a catch-up's export while it is sent
         self._job = self._sender.submit(self._send_job, generation, world)
-        shard = BroadcastShard(ray.util.get_node_ip_address(), self._store.port, generation, world,
+        shard = BroadcastShard(node_address(), self._store.port, generation, world,
                                tuple(self.layouts), self.timeout_s)
         return [shard], failed
 
