@@ -48,7 +48,8 @@ def resource(cpu: float, gpus: int, memory_gib: float, efa: int, instance_type: 
 
 def trainer_app(config_b64: str, name: str, image: str = "", nodes: int = 1, mode: str = "local",
                 res: Optional[specs.Resource] = None, ray_port: int = 6379, max_retries: int = 0,
-                wait_s: int = 1800, env: Optional[Dict[str, str]] = None, python: str = "") -> specs.AppDef:
+                wait_s: int = 1800, env: Optional[Dict[str, str]] = None, python: str = "",
+                grace_s: int = 60) -> specs.AppDef:
     """The trainer app for an already resolved config (`pod_config(cfg)`)."""
     if mode not in ("local", "cluster"):
         raise ValueError(f"trainer mode must be 'local' or 'cluster', got {mode!r}")
@@ -56,7 +57,8 @@ def trainer_app(config_b64: str, name: str, image: str = "", nodes: int = 1, mod
         raise ValueError("trainer mode 'local' runs one process (nodes=1); use mode 'cluster' for more nodes")
     args = ["-m", "moerl.launch.node", "train"] if mode == "local" else [
         "-m", "moerl.launch.node", "trainer", "--rank", specs.macros.replica_id, "--nodes", str(nodes),
-        "--port", str(ray_port), "--head-env", specs.macros.rank0_env, "--wait-s", str(wait_s)]
+        "--port", str(ray_port), "--head-env", specs.macros.rank0_env, "--wait-s", str(wait_s),
+        "--grace-s", str(grace_s)]
     efa = (res.devices.get(EFA_RESOURCE, 0) if res else 0)
     role = specs.Role(name=TRAINER, image=image, entrypoint=python or (sys.executable if mode == "local" else "python"),
                       args=args, env={**(EFA_ENV if efa else {}), **(env or {}), CONFIG_ENV: config_b64,

@@ -134,14 +134,16 @@ class RayNode:
 
 
 def run_node(node: RayNode, stop: threading.Event, head: tuple[str, int], lost_s: float,
-             on_stop: Callable[[], None] | None = None) -> str:
-    """Watch `node` until it exits ("exited"), `stop` is set ("stopped": `on_stop`, then the node stops) or
-    the head has refused connections for `lost_s` ("head lost": the node stops)."""
+             on_stop: Callable[[], None] | None = None, linger_s: float = 0.0) -> str:
+    """Watch `node` until it exits ("exited"), `stop` is set ("stopped": `on_stop`, then the node stops, after
+    lingering up to `linger_s` while the head is still up) or the head has refused connections for `lost_s`
+    ("head lost": the node stops)."""
     last_seen = next_check = time.monotonic()
     while node.alive():
         if stop.wait(0.5):
             if on_stop:
                 on_stop()
+            _linger(node, head, linger_s)
             node.stop()
             return "stopped"
         if time.monotonic() >= next_check:
@@ -153,6 +155,17 @@ def run_node(node: RayNode, stop: threading.Event, head: tuple[str, int], lost_s
                 node.stop()
                 return "head lost"
     return "exited"
+
+
+def _linger(node: RayNode, head: tuple[str, int], linger_s: float) -> None:
+    """A trainer rank > 0 on a drain: every pod gets SIGTERM at once, and rank 0's shutdown save needs this
+    node's trainer rank. Keep the node up until the head has stopped (the save is done) or `linger_s` passed."""
+    if linger_s <= 0:
+        return
+    _log(f"SIGTERM: this node stays up for rank 0's shutdown save (until the head stops, at most {linger_s:.0f} s)")
+    deadline = time.monotonic() + linger_s
+    while node.alive() and time.monotonic() < deadline and wait_for_head(*head, deadline=time.monotonic() + 0.1):
+        time.sleep(1.0)
 
 
 def _install_sigterm(stop: threading.Event) -> None:
@@ -181,7 +194,8 @@ def cmd_trainer(a: argparse.Namespace) -> int:
         if not wait_for_head(host, port, time.monotonic() + a.wait_s, stop):
             _log(f"no Ray head at {host}:{port} after {a.wait_s} s")
             return 1
-        how = run_node(RayNode(f"--address={host}:{port}"), stop, (host, port), a.lost_s)
+        how = run_node(RayNode(f"--address={host}:{port}"), stop, (host, port), a.lost_s,
+                       linger_s=max(a.grace_s - 10, 0))
         return 0 if how == "stopped" else 1  # head lost or Ray died: the trainer job restarts as a whole
     import ray
 
@@ -258,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--port", type=int, default=6379, help="Ray head port")
     tr.add_argument("--head", default="", help="HOST[:PORT] of rank 0 (ranks > 0)")
     tr.add_argument("--head-env", default="TORCHX_RANK0_HOST", help="env var holding rank 0's host")
+    tr.add_argument("--grace-s", type=float, default=60.0,
+                    help="the pod's termination grace period: ranks > 0 stay up this long less 10 s on SIGTERM")
     r = sub.add_parser("rollout", help="a rollout node: joins the Ray cluster with the `rollout` resource")
     r.add_argument("--head", required=True, help="HOST:PORT of the Ray head")
     r.add_argument("--rollout-resource", type=float, default=1.0)

@@ -113,7 +113,7 @@ def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
                               "secret_env": {k: tuple(v.split("/", 1)) for k, v in la.secret_env.items()}}
     trainer_job = f"{name}-trainer"
     apps = [Planned(trainer_app(config_b64, name, la.image, la.trainer_nodes, "cluster", res, la.ray_port,
-                                la.trainer_max_retries, la.head_wait_s, dict(la.env)),
+                                la.trainer_max_retries, la.head_wait_s, dict(la.env), grace_s=la.trainer_grace_s),
                     JobShape(trainer_job, "ON_DEMAND", grace_s=la.trainer_grace_s, min_available=la.trainer_nodes,
                              hugepages_mib=la.hugepages_mib if efa else 0, rank0_policies=COMPLETE_ON_RANK0,
                              **common))]

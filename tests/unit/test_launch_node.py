@@ -113,6 +113,42 @@ def test_run_node_stops_on_sigterm_flag() -> None:
     assert fake2.stopped
 
 
+def test_a_trainer_rank_stays_up_for_the_shutdown_save_until_the_head_stops() -> None:
+    """On a drain every pod gets SIGTERM at once; a rank > 0 keeps its Ray node while the head still answers
+    (rank 0's shutdown save needs it), stops once the head is gone, and never past its linger budget."""
+    class Fake:
+        def __init__(self) -> None:
+            self.stopped_at = 0.0
+
+        def alive(self) -> bool:
+            return not self.stopped_at
+
+        def stop(self) -> None:
+            self.stopped_at = time.monotonic()
+
+    head = socket.socket()
+    head.bind(("127.0.0.1", 0))
+    head.listen(16)
+    stop, fake = threading.Event(), Fake()
+    stop.set()
+    closed_at: list[float] = []
+
+    def head_stops_later() -> None:
+        time.sleep(2.0)
+        closed_at.append(time.monotonic())
+        head.close()
+
+    threading.Thread(target=head_stops_later, daemon=True).start()
+    assert node.run_node(fake, stop, head.getsockname(), 60, None, linger_s=30) == "stopped"  # type: ignore[arg-type]
+    assert closed_at and closed_at[0] <= fake.stopped_at < closed_at[0] + 10
+    with socket.socket() as up:  # a head that never stops: the linger budget ends it
+        up.bind(("127.0.0.1", 0))
+        up.listen(16)
+        fake2, t0 = Fake(), time.monotonic()
+        assert node.run_node(fake2, stop, up.getsockname(), 60, None, linger_s=1.5) == "stopped"  # type: ignore[arg-type]
+        assert 1.0 <= fake2.stopped_at - t0 < 10
+
+
 def test_sigterm_sets_the_stop_flag() -> None:
     stop = threading.Event()
     old = signal.getsignal(signal.SIGTERM)
