@@ -78,3 +78,56 @@ def test_head_and_rollout_node_entrypoints(tmp_path: Path, env: dict[str, str]) 
     assert rollout.returncode == 0, r_out[-3000:]
     assert "the trainer job is over" in r_out
     assert max(m["step"] for m in metrics(run_dir)) == 2
+
+
+@pytest.mark.timeout(280)
+def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dict[str, str]) -> None:
+    """A drain sends SIGTERM to every pod at once. Trainer rank 1's node (holding trainer rank 1) must stay up
+    until rank 0's shutdown save is done: three local Ray nodes (rank 0 = head + controller, rank 1, a rollout
+    node, so the two trainer ranks land on the two trainer nodes), SIGTERM to both trainer pods mid-run, and the
+    save commits with both ranks' state."""
+    import signal
+    import time
+
+    import ray
+
+    from moerl.checkpoint import CheckpointStore
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    head = f"{ray.util.get_node_ip_address()}:{port}"
+    run_dir, node = tmp_path / "run", [sys.executable, "-m", "moerl.launch.node"]
+    procs = {
+        "rank0": subprocess.Popen([*node, "trainer", "--rank", "0", "--nodes", "2", "--port", str(port),
+                                   "--wait-s", "120", "--config", str(DEMO), "--train.steps=2000", "--train.sft_steps=0",
+                                   "--train.num_ranks=2", "--rollout.num_workers=1", "--checkpoint.every=100000",
+                                   f"--run.dir={run_dir}"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True),
+        "rank1": subprocess.Popen([*node, "trainer", "--rank", "1", "--head", head, "--wait-s", "120",
+                                   "--grace-s", "90"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True),
+        "rollout": subprocess.Popen([*node, "rollout", "--head", head, "--wait-s", "120", "--lost-s", "5"], env=env,
+                                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    }
+    out: dict[str, str] = {}
+    try:
+        deadline = time.monotonic() + 200
+        while not ((run_dir / "metrics.jsonl").exists() and any(m["step"] >= 2 for m in metrics(run_dir))):
+            assert all(p.poll() is None for p in procs.values()), {k: p.poll() for k, p in procs.items()}
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.5)
+        for name in ("rank0", "rank1"):  # the drain: both trainer pods at once
+            procs[name].send_signal(signal.SIGTERM)
+        for name in ("rank0", "rank1", "rollout"):
+            out[name], _ = procs[name].communicate(timeout=150)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert "stays up for rank 0's shutdown save" in out["rank1"], out["rank1"][-2000:]
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    step = store.latest_step()
+    assert step is not None and step >= 2, out["rank0"][-3000:]
+    store.verify(step)  # both ranks' files, sizes and checksums
