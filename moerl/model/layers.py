@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import MoEModelConfig
-from moerl.model.packing import PackedSeqs
+from moerl.model.packing import PackedSeqs, PaddedIndex
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +131,21 @@ def _varlen_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Ten
     return varlen_attn(q_THd, k_TGd, v_TGd, cu_S1, cu_S1, packed.max_len, packed.max_len, **kwargs)
 
 
+def _padded_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor, padded: PaddedIndex):
+    """Causal attention inside each packed sequence, as causal SDPA on a right-padded [S, P] copy: [T, H, d].
+
+    Where no varlen kernel runs (CPU, float32), this replaces the [T, T] block mask when cheaper
+    (`PackedSeqs.padding_is_cheaper`). Real queries never attend to padding (it lies after them), padding
+    queries' outputs are dropped, so the result is each sequence's own causal attention."""
+    S, P = padded.gather_SP.shape
+    idx = padded.gather_SP.reshape(-1)
+    q_SHPd, k_SGPd, v_SGPd = (x.index_select(0, idx).view(S, P, *x.shape[1:]).transpose(1, 2)
+                              for x in (q_THd, k_TGd, v_TGd))
+    out_SHPd = F.scaled_dot_product_attention(q_SHPd, k_SGPd, v_SGPd, is_causal=True,
+                                              enable_gqa=q_THd.shape[1] != k_TGd.shape[1])
+    return out_SHPd.transpose(1, 2).reshape(S * P, *q_THd.shape[1:]).index_select(0, padded.scatter_T)
+
+
 class KVCacheLayer(Protocol):
     """What attention needs from a KV cache (the rollout engine provides one)."""
 
@@ -165,8 +180,9 @@ class Attention(nn.Module):
         packed: PackedSeqs | None = None,
     ) -> torch.Tensor:
         """packed: x is [1, T] holding several sequences; attention stays inside each. Without an attn_mask
-        it runs the flash varlen kernel (the caller checked `varlen_unavailable_reason`); with one, that
-        mask must be `packed.causal_block_mask()` (built once per forward by the model, not per layer)."""
+        it runs the flash varlen kernel (the caller checked `varlen_unavailable_reason`), or causal SDPA on
+        a right-padded copy when `packed.padded` is set; with one, that mask must be
+        `packed.causal_block_mask()` (built once per forward by the model, not per layer)."""
         B, T, _ = x_BTD.shape
         if packed is not None and attn_mask is None:
             return self.o_proj(self._varlen(x_BTD, rope, packed).reshape(B, T, -1))
@@ -191,7 +207,8 @@ class Attention(nn.Module):
     def _varlen(
         self, x_1TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packed: PackedSeqs
     ) -> torch.Tensor:
-        """The packed row in the kernel's [T, heads, d] layout, rotary applied there: no transposes to undo."""
+        """The packed row in the kernel's [T, heads, d] layout, rotary applied there: no transposes to undo.
+        The flash varlen kernel, or with `packed.padded` causal SDPA on the right-padded copy."""
         T = x_1TD.shape[1]
         q_THd = self.q_norm(self.q_proj(x_1TD).view(T, -1, self.head_dim))
         k_TGd = self.k_norm(self.k_proj(x_1TD).view(T, -1, self.head_dim))
@@ -199,6 +216,8 @@ class Attention(nn.Module):
         cos_T1d, sin_T1d = rope[0][0, :, None], rope[1][0, :, None]
         q_THd = q_THd * cos_T1d + _rotate_half(q_THd) * sin_T1d
         k_TGd = k_TGd * cos_T1d + _rotate_half(k_TGd) * sin_T1d
+        if packed.padded is not None:
+            return _padded_attention(q_THd, k_TGd, v_TGd, packed.padded)
         return _varlen_attention(q_THd, k_TGd, v_TGd, packed)
 
 

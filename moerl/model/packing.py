@@ -1,6 +1,6 @@
 """Packed variable-length sequences: several sequences laid end to end in one row, no padding.
 
-Shape legend: S sequences, T packed positions (the sum of the lengths), n one sequence's length.
+Shape legend: S sequences, T packed positions (the sum of the lengths), n one sequence's length, P the longest.
 """
 
 from __future__ import annotations
@@ -9,6 +9,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedIndex:
+    """A packed row as a right-padded [S, P] batch, for attention where no varlen kernel runs: causal SDPA on
+    the padded copy costs about S P^2, the block mask T^2 (the CPU demo: 64 x 8^2 = 4k against 420^2 = 176k).
+
+    Padding slots repeat their sequence's last position: causal attention never lets a real query see them,
+    and their outputs are dropped, so they get exactly zero gradient."""
+
+    gather_SP: torch.Tensor  # long [S, P]: the packed position at (sequence, slot)
+    scatter_T: torch.Tensor  # long [T]: each packed position's flat index s * P + p in the [S, P] grid
+
+    def to(self, device: torch.device | str) -> PaddedIndex:
+        return PaddedIndex(self.gather_SP.to(device), self.scatter_T.to(device))
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors don't compare to a bool
@@ -23,6 +38,7 @@ class PackedSeqs:
     cu_seqlens_S1: torch.Tensor  # int32 [S+1], starts at 0 (the form flash varlen kernels take)
     max_len: int  # the longest sequence (the kernels size their grid by it)
     total_len: int = field(default=-1)  # T = cu_seqlens[-1]
+    padded: PaddedIndex | None = None  # set (`with_padded_index`): attention runs on a right-padded copy
 
     def __post_init__(self) -> None:
         cu = self.cu_seqlens_S1
@@ -57,7 +73,23 @@ class PackedSeqs:
         return self.cu_seqlens_S1.diff().tolist()
 
     def to(self, device: torch.device | str) -> PackedSeqs:
-        return PackedSeqs(self.cu_seqlens_S1.to(device), self.max_len, self.total_len)
+        padded = self.padded.to(device) if self.padded is not None else None
+        return PackedSeqs(self.cu_seqlens_S1.to(device), self.max_len, self.total_len, padded)
+
+    def padding_is_cheaper(self) -> bool:
+        """Whether causal attention on the right-padded [S, P] copy (about S P^2) costs no more than on the
+        packed row under the block mask (T^2): unless one sequence is much longer than most."""
+        return self.num_seqs * self.max_len**2 <= self.total_len**2
+
+    def with_padded_index(self) -> PackedSeqs:
+        """This packing, with the index of its right-padded [S, P] copy (no host sync)."""
+        P = self.max_len
+        start_S = self.cu_seqlens_S1[:-1].long()
+        last_S = self.cu_seqlens_S1[1:].long() - 1
+        gather_SP = torch.minimum(start_S[:, None] + torch.arange(P, device=self.device), last_S[:, None])
+        seq_T = self.seq_ids()
+        scatter_T = seq_T * P + torch.arange(self.total_len, device=self.device) - start_S[seq_T]
+        return PackedSeqs(self.cu_seqlens_S1, P, self.total_len, PaddedIndex(gather_SP, scatter_T))
 
     def seq_ids(self) -> torch.Tensor:
         """[T] long: which sequence each packed position belongs to (no host sync)."""

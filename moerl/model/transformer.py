@@ -155,7 +155,8 @@ class MoECausalLM(nn.Module):
         last_logits_only: project only the last position to the vocabulary (logits [B, 1, V]).
         packed: input_ids is one row [1, T] of sequences laid end to end (T = packed.total_len); attention
             stays causal inside each, position ids restart at 0 in each unless given. Flash varlen attention
-            on CUDA in bf16/fp16, else SDPA with the block-diagonal causal mask (O(T^2) memory).
+            on CUDA in bf16/fp16, else causal SDPA on a right-padded [S, P] copy, or SDPA with the
+            block-diagonal causal mask (O(T^2) memory) where that is cheaper.
         hidden_only: return the final normed hidden states (hidden_BTD) and no logits, so a caller can
             project to the vocabulary in chunks and never hold [T, V].
         """
@@ -176,8 +177,13 @@ class MoECausalLM(nn.Module):
             no_varlen = varlen_unavailable_reason(
                 h_BTD.dtype, device, c.num_attention_heads, c.num_key_value_heads, c.head_dim
             )
-            # The mask is built once here, not per layer: every layer attends over the same boundaries.
-            attn_mask = packed.causal_block_mask() if no_varlen else None
+            # Without the varlen kernel: causal SDPA on a right-padded copy, or the [T, T] block mask where
+            # that is cheaper (one sequence much longer than most). Built once here, not per layer: every
+            # layer attends over the same boundaries.
+            if no_varlen and packed.padding_is_cheaper():
+                packed = packed.with_padded_index()
+            elif no_varlen:
+                attn_mask = packed.causal_block_mask()
         recompute = self.activation_checkpointing and torch.is_grad_enabled() and kv_caches is None
         routed, aux_losses, counts = [], [], []
         for i, layer in enumerate(self.model.layers):

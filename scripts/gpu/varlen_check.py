@@ -3,7 +3,8 @@
     python scripts/gpu/varlen_check.py                 # CUDA, bf16, 64 sequences of 100-2000 tokens, hidden 1024
     python scripts/gpu/varlen_check.py --cpu-smoke     # tiny sizes on CPU: the script itself, not the kernels
 
-1. Which attention path packed input takes here (flash varlen, or the SDPA block-diagonal mask, and why).
+1. Which attention path packed input takes here (flash varlen, or the SDPA fallback: causal on a right-padded
+   copy, or the block-diagonal mask where that is cheaper; and why).
 2. Correctness in the model's dtype: the packed forward's logits against each sequence's own forward (routing
    replayed from those, so bf16 noise cannot flip a top-k choice), the gradients of a packed loss against the
    sum over the separate forwards, and activation checkpointing's gradients against none.
@@ -176,7 +177,7 @@ def timings(model: MoECausalLM, seqs: list[torch.Tensor], iters: int, with_mask:
         return run
 
     c = model.config
-    path = "mask" if varlen_unavailable_reason(
+    path = "SDPA fallback" if varlen_unavailable_reason(
         model.lm_head.weight.dtype, device, c.num_attention_heads, c.num_key_value_heads, c.head_dim) else "varlen"
     modes: list[tuple[str, Callable[[], None], bool, str]] = [
         (f"packed, {path}", step(ids_1T, tgt_1T, packed=packed), False, ""),
@@ -188,18 +189,19 @@ def timings(model: MoECausalLM, seqs: list[torch.Tensor], iters: int, with_mask:
     print(f"\n{S} sequences, {tokens} tokens packed; padded holds {S * T_max} positions "
           f"({100 * (1 - tokens / (S * T_max)):.0f}% padding)")
     print(f"{'mode':<40} {'ms/step':>10} {'tokens/s':>12} {'peak GiB':>9}")
-    real_reason = transformer.varlen_unavailable_reason
+    real_reason, real_cheaper = transformer.varlen_unavailable_reason, PackedSeqs.padding_is_cheaper
     for name, run, ckpt, force in modes:
         model.enable_activation_checkpointing(ckpt)
         if force == "mask":
             transformer.varlen_unavailable_reason = lambda *a: "forced"
+            PackedSeqs.padding_is_cheaper = lambda self: False  # the mask, not the padded SDPA fallback
         try:
             sec, peak = timed(run, iters, device)
             print(f"{name:<40} {sec * 1e3:>10.1f} {tokens / sec:>12,.0f} {peak:>9.2f}")
         except torch.OutOfMemoryError:
             print(f"{name:<40} {'out of memory':>10}")
         finally:
-            transformer.varlen_unavailable_reason = real_reason
+            transformer.varlen_unavailable_reason, PackedSeqs.padding_is_cheaper = real_reason, real_cheaper
             model.enable_activation_checkpointing(False)
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
@@ -231,7 +233,7 @@ def main() -> int:
     print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers (dense {config.mlp_only_layers}), "
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads x {config.head_dim}, "
           f"{config.num_experts} experts top-{config.num_experts_per_tok}, {dtype}")
-    print(f"packed attention path: {'flash varlen' if reason is None else 'SDPA block mask: ' + reason}\n")
+    print(f"packed attention path: {'flash varlen' if reason is None else 'SDPA (padded copy or block mask): ' + reason}\n")
 
     gen = torch.Generator().manual_seed(args.seed)
     n_check = min(8, args.num_seqs)

@@ -17,7 +17,7 @@ from moerl.model.packing import PackedSeqs
 from tests.unit.test_moe_block import sharpen_routers_
 from tests.unit.test_moe_block import small_config as moe_block_config
 
-LENGTHS = [[5, 11, 1, 8], [7, 3, 9], [16]]
+LENGTHS = [[5, 11, 1, 8], [7, 3, 9], [16], [20, 1, 2, 1]]  # the last: the block mask (padding costs more)
 
 
 def small_config(**overrides) -> MoEModelConfig:
@@ -58,6 +58,28 @@ def test_packed_seqs_helpers():
     assert [torch.equal(a, b) for a, b in zip(packed.split(PackedSeqs.pack(xs)), xs)] == [True] * 3
     # total_len is read from cu_seqlens when not given.
     assert PackedSeqs(packed.cu_seqlens_S1, 3).total_len == 6
+
+
+def test_padded_index_and_the_fallback_choice():
+    packed = PackedSeqs.from_lengths([3, 1, 2]).with_padded_index()
+    assert packed.padded.gather_SP.tolist() == [[0, 1, 2], [3, 3, 3], [4, 5, 5]]  # padding repeats the last
+    assert packed.padded.scatter_T.tolist() == [0, 1, 2, 3, 6, 7]
+    assert packed.padded.to("cpu").gather_SP.equal(packed.to("cpu").padded.gather_SP)
+    assert PackedSeqs.from_lengths([3, 1, 2]).padded is None
+    # causal SDPA on [S, P] costs S P^2, the block mask T^2: padding unless one sequence dwarfs the rest
+    assert [PackedSeqs.from_lengths(n).padding_is_cheaper() for n in LENGTHS] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("lengths", [LENGTHS[0], LENGTHS[3]])
+def test_padded_and_mask_paths_compute_the_same_attention(lengths, monkeypatch):
+    model, seqs = small_model(), sequences(lengths)
+    ids, packed = PackedSeqs.pack(seqs), PackedSeqs.from_lengths(lengths)
+    with torch.no_grad():
+        auto = model(ids, packed=packed)
+        cheaper = PackedSeqs.padding_is_cheaper
+        monkeypatch.setattr(PackedSeqs, "padding_is_cheaper", lambda self: not cheaper(self))  # the other path
+        other = model(ids, packed=packed)
+    torch.testing.assert_close(other, auto, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("lengths", [[], [3, 0, 2], [-1]])
@@ -111,8 +133,8 @@ def grads_of(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("replay", [False, True])
-def test_packed_gradients_equal_sum_of_separate(replay):
-    lengths = LENGTHS[0]
+@pytest.mark.parametrize("lengths", [LENGTHS[0], LENGTHS[3]])  # padded SDPA, block mask
+def test_packed_gradients_equal_sum_of_separate(replay, lengths):
     model, seqs = small_model(), sequences(lengths)
     with torch.no_grad():
         routes = [model.forward_full(s).routed_experts_BTLK for s in seqs]
