@@ -9,7 +9,7 @@ import torch
 
 from moerl.actors.weight_sync.broadcast import BroadcastShard
 from moerl.actors.weight_sync.buckets import Bucket, Layout, plan, views
-from moerl.actors.weight_sync.shared import Location, SharedBuffers, remove_stale_files
+from moerl.actors.weight_sync.shared import SharedBuffers, remove_stale_files
 from moerl.model import is_expert_param
 from moerl.train.trainer import PolicyTrainer
 
@@ -24,7 +24,6 @@ class Publisher:
             [(name, dtype, shape, offset if expert_parallel and is_expert_param(name) else None)
              for name, dtype, shape in trainer.publish_spec()], bucket_bytes)
         self.device = torch.device(trainer.device)
-        self.where = Location.here(self.device)
         self._shared: SharedBuffers | None = None
         self._host: list[torch.Tensor] | None = None  # pinned on a GPU rank: the store form's staging
         self._filled: tuple[int, list[torch.Tensor]] | None = None  # (version, the buffers holding it)

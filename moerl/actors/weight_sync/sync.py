@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from moerl.actors.weight_sync.shared import Location
+from moerl.actors.weight_sync.shared import Location, SharedBucket
 
 
 class RayWeightSync:
@@ -142,7 +142,7 @@ class RayWeightSync:
 
     def _send(self, handle: Any, version: int, shards: list) -> ray.ObjectRef:
         ref = handle.update_weights.remote(version, shards)
-        if any(type(s).__name__ == "SharedBucket" for s in shards):  # it maps the ranks' buffers of `version`
+        if any(isinstance(s, SharedBucket) for s in shards):  # it maps the ranks' buffers of `version`
             self._reading.setdefault(version, []).append(ref)
         return ref
 
