@@ -47,10 +47,10 @@ class RayTrainerGroup:
                 rank_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             self.ranks.append(cls.options(**rank_options).remote(r, num_ranks, spec))
         self.timeout_s = spec.collective_timeout_s
-        master = self._get([self.ranks[0].rendezvous.remote()], "start-up")[0]  # on rank 0's own node
-        self._get([r.join.remote(master) for r in self.ranks], "start-up")  # the group is up
+        master = self.get([self.ranks[0].rendezvous.remote()], "start-up")[0]  # on rank 0's own node
+        self.get([r.join.remote(master) for r in self.ranks], "start-up")  # the group is up
 
-    def _get(self, refs: list, what: str) -> list:
+    def get(self, refs: list, what: str) -> list:
         """ray.get, with a dead rank named (not a raw ActorDiedError)."""
         try:
             return ray.get(refs, timeout=self.timeout_s)
@@ -68,16 +68,16 @@ class RayTrainerGroup:
             raise TrainerLost(f"trainer rank {', '.join(map(str, dead)) or '?'} died during {what} ({cause})") from None
 
     def save_state(self, path: str, use_async: bool) -> None:
-        self._get([r.save_state.remote(path, use_async) for r in self.ranks], "a checkpoint save")
+        self.get([r.save_state.remote(path, use_async) for r in self.ranks], "a checkpoint save")
 
     def save_done(self) -> list:
         return [r.wait_save.remote() for r in self.ranks]
 
     def load_state(self, path: str) -> int:
-        return self._get([r.load_state.remote(path) for r in self.ranks], "a checkpoint load")[0]
+        return self.get([r.load_state.remote(path) for r in self.ranks], "a checkpoint load")[0]
 
     def set_lr(self, lr: float) -> None:
-        self._get([r.set_lr.remote(lr) for r in self.ranks], "set_lr")
+        self.get([r.set_lr.remote(lr) for r in self.ranks], "set_lr")
 
     @staticmethod
     def shard(samples: list, num_ranks: int) -> list[list]:
@@ -107,7 +107,7 @@ class RayTrainerGroup:
             late = [i for i, ref in enumerate(refs) if ref in missing]
             raise TimeoutError(f"trainer step {step}: rank(s) {late} did not finish within {self.timeout_s:.0f} s "
                                "(straggler or hang; the others wait in a collective)")
-        return self._get(refs, f"trainer step {step}")[0]
+        return self.get(refs, f"trainer step {step}")[0]
 
 
 @dataclass

@@ -114,7 +114,8 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
     try:
         deadline = time.monotonic() + 200
         while not ((run_dir / "metrics.jsonl").exists() and any(m["step"] >= 2 for m in metrics(run_dir))):
-            assert all(p.poll() is None for p in procs.values()), {k: p.poll() for k, p in procs.items()}
+            dead = next((k for k, p in procs.items() if p.poll() is not None), None)
+            assert dead is None, f"{dead} exited ({procs[dead].poll()}): {procs[dead].communicate()[0][-3000:]}"
             assert time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.5)
         for name in ("rank0", "rank1"):  # the drain: both trainer pods at once

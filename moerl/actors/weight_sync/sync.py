@@ -25,8 +25,7 @@ class RayWeightSync:
                  timeout_s: float = 60.0) -> None:
         self.trainer, self.pool, self.bucket_bytes, self.timeout_s = trainer, pool, bucket_bytes, timeout_s
         self.transport = transport
-        self.rank_where: list[Location] = ray.get([r.location.remote() for r in trainer.ranks],
-                                                  timeout=trainer.timeout_s)
+        self.rank_where: list[Location] = trainer.get([r.location.remote() for r in trainer.ranks], "start-up")
         if transport == "auto":  # the object store stays the CPU path: shared buffers are for GPUs
             self.transport = "shared" if any(w.gpus for w in self.rank_where) else "object_store"
         self._publishing: tuple[list, int, tuple[str, ...]] | None = None  # (ranks' publish calls, version, forms)
@@ -64,7 +63,7 @@ class RayWeightSync:
             return
         calls, version, _ = self._publishing
         self._publishing = None
-        per_rank = ray.get(calls, timeout=self.trainer.timeout_s)
+        per_rank = self.trainer.get(calls, f"the publish of version {version}")
         if any(forms.get("broadcast_failed") for forms in per_rank):  # a member was lost mid-send
             self._regroup = True
             self.stats["broadcast_failures"] += 1
@@ -107,7 +106,7 @@ class RayWeightSync:
             exports = self._exports.setdefault(version, [r.export.remote(version) for r in self.trainer.ranks])
             if ray.wait(exports, num_returns=len(exports), timeout=0)[1]:
                 return handle.ping.remote()
-            refs = ray.get(exports)
+            refs = self.trainer.get(exports, f"the export of version {version}")
             if any(r is None for r in refs):  # overwritten by a newer version: the next publish carries "store"
                 return handle.ping.remote()
             for forms, store in zip(per_rank, refs):
