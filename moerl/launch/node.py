@@ -115,13 +115,22 @@ class RayNode:
     """`ray start ... --block` as a child: stopping it stops this node's Ray processes only (not `ray stop`,
     which would stop every Ray on the machine)."""
 
+    STARTUP_S = 120.0  # `ray start` gives up after 30 s without the raylet registering (hard-coded in Ray)
+
     def __init__(self, *args: str, drain_s: float = 30.0) -> None:
         env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)}
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(_ray("start", *args, "--block"), env=env,
                                      preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call, no locks
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def failed_to_start(self) -> bool:
+        """It exited with an error soon after starting: `ray start` failed (e.g. "the current node timed out during
+        startup" when the GCS is busy with other nodes joining at once), not a node that ran and then died."""
+        rc = self.proc.poll()
+        return rc not in (None, 0) and time.monotonic() - self.started_at < self.STARTUP_S
 
     def stop(self, timeout: float = 45.0) -> None:
         if self.alive():
@@ -194,9 +203,14 @@ def cmd_trainer(a: argparse.Namespace) -> int:
         if not wait_for_head(host, port, time.monotonic() + a.wait_s, stop):
             _log(f"no Ray head at {host}:{port} after {a.wait_s} s")
             return 1
-        how = run_node(RayNode(f"--address={host}:{port}"), stop, (host, port), a.lost_s,
-                       linger_s=max(a.grace_s - 10, 0))
-        return 0 if how == "stopped" else 1  # head lost or Ray died: the trainer job restarts as a whole
+        deadline = time.monotonic() + a.wait_s
+        while True:
+            node = RayNode(f"--address={host}:{port}")
+            how = run_node(node, stop, (host, port), a.lost_s, linger_s=max(a.grace_s - 10, 0))
+            if how == "exited" and node.failed_to_start() and time.monotonic() < deadline and not stop.is_set():
+                _log(f"`ray start` failed (exit {node.proc.returncode}); joining {host}:{port} again")
+                continue  # it never joined: nothing of the trainer job ran here yet
+            return 0 if how == "stopped" else 1  # head lost or Ray died: the trainer job restarts as a whole
     import ray
 
     config, address = config_path(a.config), f"{ray.util.get_node_ip_address()}:{a.port}"

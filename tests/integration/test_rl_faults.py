@@ -697,9 +697,11 @@ def test_trainer_death_names_the_rank_and_how_to_resume(tmp_path, ray_env, capsy
                  f"--rollout.group_size={GROUP}", "--rollout.num_workers=1", "--checkpoint.every=2"]
     killed: list[int] = []
 
-    def strike() -> None:
-        deadline = time.monotonic() + 100
-        while last_step(tmp_path) < 3 and time.monotonic() < deadline:
+    def strike() -> None:  # once a checkpoint is committed (its save is asynchronous: wait for the commit)
+        from moerl.checkpoint import CheckpointStore
+
+        store, deadline = CheckpointStore(str(tmp_path / "checkpoints")), time.monotonic() + 100
+        while (last_step(tmp_path) < 3 or store.latest_step() is None) and time.monotonic() < deadline:
             time.sleep(0.05)
         pids = _trainer_pids()
         if pids:

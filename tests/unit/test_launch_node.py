@@ -158,3 +158,40 @@ def test_sigterm_sets_the_stop_flag() -> None:
         assert stop.wait(2)
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_a_trainer_rank_joins_again_when_ray_start_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ray start` gives up after 30 s when the GCS is busy with nodes joining at once: a rank > 0 whose node
+    never started tries again (within --wait-s) instead of failing the trainer job."""
+    class FakeNode:
+        made: list[FakeNode] = []
+
+        def __init__(self, *args: str, **kwargs: object) -> None:
+            self.first = not FakeNode.made
+            FakeNode.made.append(self)
+            self.stopped = False
+
+        def alive(self) -> bool:
+            if not self.first and len(FakeNode.made) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # the second one runs until the pod is stopped
+            return not self.first and not self.stopped
+
+        def failed_to_start(self) -> bool:
+            return self.first
+
+        proc = type("P", (), {"returncode": 1})()
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    monkeypatch.setattr(node, "RayNode", FakeNode)
+    previous = signal.getsignal(signal.SIGTERM)
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen(16)
+        try:
+            assert node.main(["trainer", "--rank", "1", "--head", f"127.0.0.1:{head.getsockname()[1]}",
+                              "--wait-s", "30", "--grace-s", "0"]) == 0
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    assert len(FakeNode.made) == 2 and FakeNode.made[1].stopped
