@@ -136,6 +136,9 @@ class TrainConfig:
     master_dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and AdamW state (compute: model.dtype)
     micro_batch_tokens: int = 0  # positions per packed micro-batch (gradients accumulate); 0 = one per step
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping it
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no gradient), lease more
+    # groups dropped per step at most (0 = 4 x batch_groups); past it all-equal groups are kept, with a warning
+    dynamic_sampling_max_extra: int = 0
     loss: LossConfig = field(default_factory=LossConfig)  # the policy loss (moerl/train/loss.py)
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule
 
@@ -145,6 +148,41 @@ class TrainConfig:
             require(getattr(self, name) >= 1, name, "must be >= 1")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         require(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 0 (0 = one micro-batch per step)")
+        require(self.dynamic_sampling_max_extra >= 0, "dynamic_sampling_max_extra",
+                "must be >= 0 (0 = 4 x batch_groups)")
+
+    def dynamic_sampling_limit(self) -> int:
+        """Groups dynamic sampling may drop (and lease again) per step."""
+        return self.dynamic_sampling_max_extra or 4 * self.batch_groups
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during training (moerl/loop/evaluation.py): on rollout workers held at one step's weights."""
+
+    every: int = 0  # evaluate after every N optimizer steps; 0 = off (unless before_train)
+    before_train: bool = False  # also evaluate the weights the run starts from (logged at that step)
+    path: str = ""  # eval set in the task's data format (its `path` option); empty = the task's held-out split
+    samples: int = 64  # prompts per eval (the set's first ones); 0 = the whole eval set
+    k: int = 1  # samples per prompt: eval/pass@k
+    temperature: float = 0.0  # 0 = greedy
+    max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
+    workers: int = 1  # rollout workers an eval holds (they take no training work meanwhile)
+    timeout_s: float = 600.0  # at the end of the run, wait this long for an eval in flight
+
+    def validate(self) -> None:
+        for name in ("every", "samples", "max_new_tokens"):
+            require(getattr(self, name) >= 0, name, "must be >= 0")
+        require(self.k >= 1, "k", "must be >= 1")
+        require(self.workers >= 1, "workers", "must be >= 1")
+        require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+        require(self.k == 1 or self.temperature > 0, "k",
+                "> 1 needs eval.temperature > 0: greedy samples of one prompt are all the same")
+        require(self.timeout_s > 0, "timeout_s", "must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.before_train
 
 
 @dataclass
@@ -286,6 +324,7 @@ class MoerlConfig:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def validate(self) -> None:

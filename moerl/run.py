@@ -99,6 +99,28 @@ def warm_start(trainer, task: Task, cfg: MoerlConfig, log) -> None:
     trainer.set_lr(cfg.train.optim.lr)
 
 
+def eval_plan(cfg: MoerlConfig, task: Task):
+    """`[eval]` resolved against its eval set (opened here, before Ray: a bad eval set fails the run now);
+    None when eval is off."""
+    from moerl.loop.evaluation import EvalPlan, eval_prompt_count, open_eval_set
+
+    e = cfg.eval
+    if not e.enabled:
+        return None
+    eval_set = open_eval_set(task, cfg.task.name, dict(cfg.task.options), e.path, cfg.run.seed)
+    return EvalPlan(every=e.every, before_train=e.before_train, prompts=eval_prompt_count(eval_set.size, e.samples),
+                    k=e.k, temperature=e.temperature, path=e.path, workers=e.workers,
+                    chunk=max(1, cfg.rollout.max_batch_size // e.k), max_new_tokens=e.max_new_tokens,
+                    timeout_s=e.timeout_s)
+
+
+def _eval_line(step: int, m: dict) -> str:
+    scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items()
+                       if k == "eval/reward" or k.startswith("eval/pass@"))
+    return (f"eval at step {step}: {scores or 'nothing scored'}, length {m.get('eval/length', 0):.1f} "
+            f"({m['eval/prompts']:.0f} prompts{', partial' if m['eval/partial'] else ''}, {m['eval/seconds']:.1f} s)")
+
+
 def _fingerprint(cfg: MoerlConfig, arch: MoEModelConfig) -> dict:
     """What a checkpoint must agree on with the config that resumes it (checked before anything runs)."""
     return {"architecture": {k: v for k, v in arch.to_hf_dict().items() if k not in ("bos_token_id", "pad_token_id")},
@@ -151,6 +173,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     from moerl.actors.pools import RayRolloutPool, RayTrainerGroup, TrainerLost
     from moerl.actors.weight_sync.sync import RayWeightSync
     from moerl.loop.controller import Controller
+    from moerl.loop.dynamic_sampling import DynamicSampling
+    from moerl.loop.evaluation import Evaluator
     from moerl.loop.samples import SampleBuilder
     from moerl.loop.work_queue import WorkQueue
     from moerl.runlog.plots import write_plots
@@ -161,6 +185,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     task = load_task(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
     arch = model_architecture(cfg, task)
+    plan = eval_plan(cfg, task)
     worker_spec, trainer_spec = _specs(cfg, arch, task)
     checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
                                 dtype=cfg.model.dtype, timeout_s=cfg.checkpoint.timeout_s,
@@ -207,8 +232,15 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
             last.clear()
             last.update(scalars)
 
+        def on_eval(step: int, metrics: dict) -> None:  # logged at the step whose weights it evaluated
+            log.log_step(step, metrics)
+            progress.message(_eval_line(step, metrics))
+
         controller = Controller(_loop_config(cfg), task, queue, workers, trainer, weights, builder, on_step,
-                                checkpoints=checkpointer, stop_requested=stop.is_set)
+                                checkpoints=checkpointer, stop_requested=stop.is_set,
+                                evaluator=Evaluator(plan, workers, on_eval, progress.message) if plan else None,
+                                dynamic=(DynamicSampling(cfg.train.dynamic_sampling_limit(), progress.message)
+                                         if cfg.train.dynamic_sampling else None))
         if restored is not None:
             controller.load_state_dict(restored[1])
             dropped = log.truncate_after(restored[0])  # steps after the checkpoint are trained (and logged) again

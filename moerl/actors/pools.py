@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from moerl.actors.rollout_worker import RolloutWorker, WorkerSpec
 from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
+from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.loop.work_queue import WorkQueue
 from moerl.train.batching import split_by_tokens
@@ -119,6 +120,8 @@ class _Worker:
     inflight: int = 0
     started: bool = False  # answered a ping: its actor is placed and built (capacity allowed it)
     where: object = None  # its Location (node, GPUs), from its first ping: which weight forms it can take
+    held: bool = False  # running an eval (moerl/loop/evaluation.py): no leases, no new weights
+    rejoining: bool = False  # back from an eval: catching up to the newest weights before it leases again
 
 
 class RayRolloutPool:
@@ -154,7 +157,7 @@ class RayRolloutPool:
         return worker_id
 
     def ready_ids(self) -> list[str]:
-        return [w for w, s in self.workers.items() if s.started and not s.leaving]
+        return [w for w, s in self.workers.items() if s.started and not (s.leaving or s.held or s.rejoining)]
 
     def inflight(self, worker_id: str) -> int:
         return self.workers[worker_id].inflight
@@ -225,12 +228,14 @@ class RayRolloutPool:
                     w.ping_ref = None
                     if isinstance(answer, dict) and answer.get("where") is not None:
                         w.where = answer["where"]
-                    if not w.started:  # up: it takes work once it holds the newest weights
+                    if not w.started or w.rejoining:  # up, or back from an eval: works once it has the newest weights
                         version = answer["version"] if isinstance(answer, dict) else answer
                         w.ping_ref = (self.weights.catch_up(w.handle, version, w.where)
                                       if self.weights is not None else None)
                         if w.ping_ref is None:
-                            w.started, self._start_failures = True, 0
+                            if not w.started:
+                                self._start_failures = 0
+                            w.started, w.rejoining = True, False
             if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
                 w.ping_ref = w.handle.ping.remote()
             if now - w.last_ok > (self.heartbeat_timeout_s if w.started else self.start_timeout_s):
@@ -268,8 +273,41 @@ class RayRolloutPool:
             w.handle.preempt.remote("run shutdown")
 
     def started_workers(self) -> list[tuple[str, object, object]]:
-        """(worker id, actor handle, Location) of the workers that are up (the ones new weights go to)."""
-        return [(worker_id, w.handle, w.where) for worker_id, w in self.workers.items() if w.started]
+        """(worker id, actor handle, Location) of the workers that are up (the ones new weights go to); a worker
+        held for an eval keeps its version until released."""
+        return [(worker_id, w.handle, w.where) for worker_id, w in self.workers.items()
+                if w.started and not (w.held or w.rejoining)]
+
+    # ---------------------------------------------------------------- evaluation (moerl/loop/evaluation.py)
+    def hold(self, worker_id: str) -> None:
+        if worker_id in self.workers:
+            self.workers[worker_id].held = True
+
+    def release(self, worker_id: str) -> None:
+        """Catch up (through the start-up path of `unresponsive`), then lease again."""
+        w = self.workers.get(worker_id)
+        if w is not None and w.held:
+            w.held, w.rejoining = False, True
+            if w.ping_ref is None:
+                w.ping_ref = w.handle.ping.remote()
+
+    def run_eval(self, worker_id: str, request: EvalRequest):
+        w = self.workers.get(worker_id)
+        return None if w is None else w.handle.run_eval.remote(request)
+
+    def wait_eval(self, refs: list, timeout: float) -> list[tuple[object, EvalResult | None, Exception | None]]:
+        if not refs:
+            return []
+        ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+        if not ready and timeout > 0:
+            ready = ray.wait(refs, num_returns=1, timeout=timeout)[0]
+        out = []
+        for ref in ready:
+            try:
+                out.append((ref, ray.get(ref), None))
+            except ray.exceptions.RayError as e:  # the worker died (or was killed as lost)
+                out.append((ref, None, e))
+        return out
 
     def locations(self) -> list:
         """Every worker's Location, None for one that has not answered yet (its place is unknown)."""

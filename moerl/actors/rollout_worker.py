@@ -24,6 +24,8 @@ import torch
 
 from moerl.actors import weight_sync
 from moerl.actors.engine_thread import EngineThread
+from moerl.actors.eval_runner import EvalRunner
+from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
@@ -73,6 +75,7 @@ class RolloutWorker:
         self._inflight_groups = 0
         self._apply_s = 0.0  # engine paused for new weights since the last result handed out
         self._lock = threading.Lock()
+        self._eval: EvalRunner | None = None  # built at the first eval chunk
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.preempt("SIGTERM"))
         if spec.imds_url:
@@ -123,6 +126,24 @@ class RolloutWorker:
             errors.append(err)
         return GroupResult(task.task_id, task.prompt_index, self.worker_id, "ok", completions, rewards, errors,
                            seconds=time.perf_counter() - t0)
+
+    def run_eval(self, request: EvalRequest) -> EvalResult:
+        """One eval chunk at the weights the controller holds this worker at (moerl/actors/eval_runner.py)."""
+        t0 = time.perf_counter()
+        with self._lock:  # handed back like a group before a preempted worker exits
+            self._inflight_groups += 1
+        try:
+            if self._eval is None:
+                self._eval = EvalRunner(self.worker_id, self.engine, self.task, self.spec.task_name,
+                                        self.spec.task_options, self.spec.sampling, self.spec.seed,
+                                        self.spec.group_timeout_s)
+            return self._eval.run(request, self.preempting)
+        except Exception as e:  # noqa: BLE001 - reported; the controller retries the chunk
+            return EvalResult(request.eval_id, request.chunk, self.worker_id, "error",
+                              error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+        finally:
+            with self._lock:
+                self._inflight_groups -= 1
 
     def update_weights(self, version: int, shards: list[Any]) -> int:
         """Load published weights (moerl/actors/weight_sync); returns the version the engine holds."""

@@ -9,7 +9,9 @@
 What blocks what (async mode): rollout never waits for training; a group is leased only while
 `groups leased so far < (version + max_staleness + 1) * batch_groups`, which bounds how old a trained
 sample's oldest token can be. Training waits for `batch_groups` finished groups. In sync mode the two
-alternate exactly: lease one batch, wait for it, train, publish, repeat.
+alternate exactly: lease one batch, wait for it, train, publish, repeat. An eval (moerl/loop/evaluation.py)
+holds some workers at one version while the rest lease and train on; dynamic sampling
+(moerl/loop/dynamic_sampling.py) drops all-equal-reward groups as they arrive and leases more in their place.
 
 No Ray here: the parts are typed by the Protocols of moerl/loop/types.py (moerl/actors implements them).
 """
@@ -20,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moerl.loop.dynamic_sampling import DynamicSampling
+from moerl.loop.evaluation import Evaluator
 from moerl.loop.phases import PhaseClock
 from moerl.loop.samples import SampleBuilder
 from moerl.loop.types import Checkpoints, GroupResult, GroupTask, RolloutPool, StepInFlight, TrainerGroup, WeightSync
@@ -52,13 +56,15 @@ class LoopState:
     ready: list[GroupResult] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=lambda: {
         "groups_done": 0, "groups_failed": 0, "samples_trained": 0, "samples_failed": 0, "stale_dropped": 0,
-        "stale_regenerated": 0, "preempted": 0, "workers_lost": 0, "late_results": 0})
+        "stale_regenerated": 0, "preempted": 0, "workers_lost": 0, "late_results": 0, "groups_filtered": 0,
+        "groups_filter_over_limit": 0})
 
 
 class Controller:
     def __init__(self, cfg: LoopConfig, task: Task, queue: WorkQueue, workers: RolloutPool, trainer: TrainerGroup,
                  weights: WeightSync, builder: SampleBuilder, on_step: Callable[[int, dict, list[dict]], None],
-                 checkpoints: Checkpoints | None = None, stop_requested: Callable[[], bool] = lambda: False) -> None:
+                 checkpoints: Checkpoints | None = None, stop_requested: Callable[[], bool] = lambda: False,
+                 evaluator: Evaluator | None = None, dynamic: DynamicSampling | None = None) -> None:
         self.cfg, self.task, self.queue, self.workers, self.trainer = cfg, task, queue, workers, trainer
         self.weights, self.builder, self.on_step = weights, builder, on_step
         self.checkpoints = checkpoints
@@ -68,11 +74,15 @@ class Controller:
         self.inflight: dict = {}  # worker call ref -> (worker_id, task_id)
         self.training: StepInFlight | None = None
         self._saved_step = -1  # the step of the last checkpoint saved
+        self.evaluator = evaluator  # evals on held rollout workers (moerl/loop/evaluation.py)
+        self.dynamic = dynamic  # DAPO's dynamic sampling (moerl/loop/dynamic_sampling.py)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
         self.weights.publish(self.state.version)
         self.weights.deliver(wait=True)
+        if self.evaluator is not None:
+            self.evaluator.start_of_run(self.state.step, self.state.version)
         while self.state.step < self.cfg.steps:
             if self.stop_requested():
                 self._graceful_stop()
@@ -87,6 +97,10 @@ class Controller:
             if self.training is not None and self.trainer.done(self.training.handle):
                 self._finish_training()
             self._try_start_training()
+            if self.evaluator is not None:
+                self.evaluator.poll()
+        if self.evaluator is not None:
+            self.evaluator.finish()
         return self.state
 
     def _try_start_training(self) -> None:
@@ -149,10 +163,20 @@ class Controller:
                 if self.queue.fail(task_id, worker_id, result.error or "unknown error", now) == "failed":
                     self.state.counters["groups_failed"] += 1
             elif self.queue.complete(task_id, worker_id, now):
-                self.state.ready.append(result)
                 self.state.counters["groups_done"] += 1
+                self._accept(result)
             else:
                 self.state.counters["late_results"] += 1  # lease expired and was re-leased: drop
+
+    def _accept(self, result: GroupResult) -> None:
+        if self.dynamic is not None:
+            keep, over_limit = self.dynamic.keep(result, self.state.version)
+            if not keep:  # all rewards equal: no gradient; its gate slot goes back, so one more prompt is leased
+                self.state.counters["groups_filtered"] += 1
+                self.state.leased_total -= 1
+                return
+            self.state.counters["groups_filter_over_limit"] += over_limit
+        self.state.ready.append(result)
 
     def _worker_lost(self, worker_id: str, now: float) -> None:
         if self.workers.remove(worker_id):
@@ -215,6 +239,8 @@ class Controller:
             self.weights.published()
         with self.clock.during("transfer"):  # sync mode: every worker holds the new weights before the next lease
             self.weights.deliver(wait=self.cfg.mode == "sync")
+        if self.evaluator is not None and start_next:  # it holds workers at the version just delivered
+            self.evaluator.after_step(self.state.step, self.state.version)
         self.state.counters["samples_trained"] += len(step.samples)
         metrics.update(step.stats)
         metrics["time/train_s"] = time.monotonic() - step.started_at
@@ -245,7 +271,8 @@ class Controller:
 
     def load_state_dict(self, d: dict) -> None:
         self.state = LoopState(version=d["version"], step=d["step"], next_prompt_index=d["next_prompt_index"],
-                               leased_total=d["leased_total"], ready=list(d["ready"]), counters=dict(d["counters"]))
+                               leased_total=d["leased_total"], ready=list(d["ready"]),
+                               counters={**LoopState().counters, **d["counters"]})
         self.queue.load_state_dict(d["queue"])
         # Sync mode leases one batch per version; groups leased but never finished are back in the queue.
         self.state.leased_total = min(self.state.leased_total, self.state.next_prompt_index)

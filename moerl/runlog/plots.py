@@ -8,7 +8,7 @@
 
 matplotlib is imported lazily and used without pyplot (Agg canvas, no global backend change), so this
 runs headless and from any thread. A plot whose data is missing is skipped; a step logged twice (a
-resumed run redoing steps) counts with its last line. Files are replaced atomically.
+resumed run redoing steps) counts with its last values. Files are replaced atomically.
 """
 
 from __future__ import annotations
@@ -66,12 +66,13 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
 
 def _metric_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl rows sorted by step, the last line of each step winning."""
+    """metrics.jsonl rows sorted by step; the lines of one step merged, a later line's value winning (an eval
+    logs its own line at the step it evaluated)."""
     by_step: dict[int, dict[str, Any]] = {}
     for row in read_jsonl(run_dir / METRICS_FILE, strict=False, missing_ok=True):
         step = row.get("step")
         if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step):
-            by_step[int(step)] = row
+            by_step.setdefault(int(step), {}).update(row)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -41,9 +41,9 @@ class ArithmeticTask:
         self.tokenizer = tokenizer or make_tokenizer(self.config.tokenizer)
         self._ops = "".join(dict.fromkeys(self.config.ops))  # dedupe, keep order: "++-" is "+-"
 
-    def _problem(self, index: int) -> tuple[str, str]:
+    def _problem(self, index: int, stream: str = "arithmetic") -> tuple[str, str]:
         check_index(index)
-        rng = random.Random(derive_seed("arithmetic", self.config.seed, index))
+        rng = random.Random(derive_seed(stream, self.config.seed, index))
         op = rng.choice(self._ops)
         a, b = rng.randint(0, self.config.max_operand), rng.randint(0, self.config.max_operand)
         return f"{a}{op}{b}=", str(_OPS[op](a, b))
@@ -55,6 +55,14 @@ class ArithmeticTask:
     def prompt_at(self, index: int) -> Prompt:
         text, answer = self._problem(index)
         return Prompt(f"arith-{index:06d}", index, self._prompt_ids(text), text, answer)
+
+    eval_size = None  # the held-out stream is endless: eval.samples says how many prompts an eval takes
+
+    def eval_prompt_at(self, index: int) -> Prompt:
+        """The held-out split (moerl/loop/evaluation.py): a prompt stream seeded apart from the training one. With
+        few possible problems (the demo's 100 sums) both streams hold the same problems; with many, rarely."""
+        text, answer = self._problem(index, "arithmetic-eval")
+        return Prompt(f"arith-eval-{index:06d}", index, self._prompt_ids(text), text, answer)
 
     def reward(self, prompt: Prompt, completion_token_ids: list[int]) -> float:
         return 1.0 if completion_text(self.tokenizer, completion_token_ids).strip() == prompt.answer else 0.0
