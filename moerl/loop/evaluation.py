@@ -305,4 +305,5 @@ class Evaluator:
         metrics = eval_metrics([run.done[c] for c in sorted(run.done)], self.plan.prompts, self.plan.k)
         metrics["eval/seconds"] = time.monotonic() - run.started_at
         metrics["eval/version"] = float(run.version)
+        metrics["eval/workers_dropped"] = float(run.lost_workers)  # lost, preempted or on other weights
         self.on_eval(run.step, metrics)
