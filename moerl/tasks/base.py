@@ -84,19 +84,42 @@ def check_index(index: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ loading
+def import_dotted(dotted: str, what: str = "task") -> Any:
+    """The object at `package.module:attr` or `package.module.attr` (`attr` may itself be dotted, e.g. a
+    class's method: without a colon the longest importable module prefix is the module); `TaskError`
+    naming `what` and the path when it cannot be imported."""
+    if ":" in dotted:
+        module_name, _, attr = dotted.partition(":")
+        splits = [(module_name, attr)] if module_name and attr else []
+    else:
+        parts = dotted.split(".")
+        splits = [(".".join(parts[:k]), ".".join(parts[k:])) for k in range(len(parts) - 1, 0, -1) if all(parts)]
+    if not splits:
+        raise TaskError(f"cannot load {what} {dotted!r}: expected 'package.module:name' or 'package.module.name'")
+    for i, (module_name, attr) in enumerate(splits):
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing_is_prefix = exc.name is not None and (module_name + ".").startswith(exc.name + ".")
+            if missing_is_prefix and i + 1 < len(splits):
+                continue  # `module_name` is no module: a shorter prefix may be
+            raise TaskError(f"cannot load {what} {dotted!r}: {exc}") from exc
+        except ImportError as exc:
+            raise TaskError(f"cannot load {what} {dotted!r}: {exc}") from exc
+        except Exception as exc:  # the module itself raised while importing (a bug or missing data in user code)
+            raise TaskError(f"cannot load {what} {dotted!r}: importing {module_name!r} raised "
+                            f"{type(exc).__name__}: {exc}") from exc
+        try:
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise TaskError(f"cannot load {what} {dotted!r}: {exc}") from exc
+        return obj
+    raise AssertionError("unreachable")
+
+
 def _import(dotted: str) -> type:
-    module_name, sep, attr = dotted.partition(":") if ":" in dotted else dotted.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise TaskError(f"cannot load task {dotted!r}: expected 'package.module:Class' or 'package.module.Class'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise TaskError(f"cannot load task {dotted!r}: {exc}") from exc
-    except Exception as exc:  # the module itself raised while importing (a bug or missing data in user code)
-        raise TaskError(f"cannot load task {dotted!r}: importing {module_name!r} raised "
-                        f"{type(exc).__name__}: {exc}") from exc
+    obj = import_dotted(dotted, "task")
     if not isinstance(obj, type):
         raise TaskError(f"cannot load task {dotted!r}: {obj!r} is not a class")
     return obj
@@ -178,5 +201,5 @@ def safe_reward(task: Task, prompt: Prompt, completion_ids: list[int]) -> tuple[
 
 __all__ = [
     "Prompt", "Task", "TaskError", "Tokenizer", "build_config", "check_index",
-    "completion_text", "derive_seed", "load_task", "safe_reward",
+    "completion_text", "derive_seed", "import_dotted", "load_task", "safe_reward",
 ]

@@ -1,21 +1,34 @@
-"""Verifiable rewards on decoded text: exact match, and math final-answer equivalence.
+"""Verifiable rewards on decoded text, and the weighted list of them a task scores with.
 
-`math_answer` is lenient about form and strict about value: "1,000", "1000.0", "\\boxed{1000}"
-all score against "1000", while a wrong value never does. The final answer is the last
-`\\boxed{...}`; without one, the last number in the text when the reference is numeric (a model's
-working usually precedes its answer), else the whole text.
+Built in, by name (each `fn(completion_text, answer) -> float`):
+    math         1.0 when the completion's final answer equals the reference mathematically, by math-verify
+                 (`\\boxed{x^2+1}` = `1+x^2`, `\\sqrt{2}/2` = `\\frac{\\sqrt{2}}{2}`, `50\\%` = `50`, `1,000` = `1000`;
+                 the final answer is the \\boxed{} one, else the last expression), bounded in time on any thread
+                 (math_grader.py); an answer that is no math (a name, a letter) matches as normalised text
+    exact_match  1.0 when the texts are equal after stripping surrounding whitespace
+    boxed        1.0 when the completion gives a final answer in a closed \\boxed{...} (a format reward)
+
+A task's `reward` option is one name or dotted path (`pkg.module:function` or `pkg.module.function`, any
+callable of (completion_text, answer)), or a list of them with weights, summed:
+
+    reward = "math"
+    reward = [{ name = "math", weight = 1.0 }, { name = "boxed", weight = 0.1 }, "my_pkg.rewards:length_penalty"]
+
+Reward functions are trusted code (like the task); completions and answers are untrusted data.
 """
 
 from __future__ import annotations
 
-import re
-from fractions import Fraction
+import functools
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-_REL_TOL = Fraction(1, 10**6)
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-+]?\.\d+")
-_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_FRAC = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
-_EXPONENT = re.compile(r"e([-+]?\d+)$")
+from moerl.tasks.base import TaskError, import_dotted
+from moerl.tasks.math_grader import math_equal
+
+RewardFn = Callable[[str, str], float]
 
 
 def exact_match(completion_text: str, answer: str) -> float:
@@ -41,44 +54,75 @@ def _normalise(text: str) -> str:
     return text.strip().strip("$").lower().replace(" ", "").removesuffix(".").strip("$")
 
 
-def parse_number(text: str) -> Fraction | None:
-    """Exact value of "3", "-3.0", "1,000", "1/2", "0.5", "$5$", "\\frac{1}{2}"; None if not a number.
-
-    Fractions rather than floats: huge integers cannot overflow and "1/3" is exact. Exponents are
-    bounded so a sampled "1e999999999" cannot stall a reward worker.
-    """
-    s = _normalise(text)
-    if m := _FRAC.match(s):
-        s = f"{m[1]}{m[2]}/{m[3]}"
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
-    if (e := _EXPONENT.search(s)) and abs(int(e[1])) > 1000:
-        return None
-    try:
-        num, _, den = s.partition("/")
-        return Fraction(num) / Fraction(den or 1)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def extract_answer(completion_text: str, numeric: bool) -> str:
-    """The completion's final answer: last \\boxed{}, else (numeric) the last number, else all of it."""
+def math_answer(completion_text: str, answer: str, timeout_s: int = 5) -> float:
+    """1.0 when the completion's final answer equals `answer` by math-verify (each parse and comparison bounded
+    by `timeout_s`), or, for answers that are no math, when its last \\boxed{} (else the whole text) equals
+    `answer` as normalised text (case, spaces, `$`, a trailing period ignored)."""
+    if math_equal(completion_text, answer, timeout_s):
+        return 1.0
     boxed = last_boxed(completion_text)
-    if boxed is not None:
-        return boxed
-    if numeric:
-        numbers = _NUMBER.findall(completion_text)
-        return numbers[-1] if numbers else ""
-    return completion_text
-
-
-def math_answer(completion_text: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals `answer`: numerically (1e-6 relative) when both
-    are numbers, else as normalised strings (case, spaces, `$`, trailing period ignored)."""
-    reference = parse_number(answer)
-    predicted = extract_answer(completion_text, numeric=reference is not None)
-    value = parse_number(predicted)
-    if reference is not None and value is not None:
-        return 1.0 if abs(value - reference) <= _REL_TOL * max(abs(value), abs(reference)) else 0.0
     target = _normalise(answer)
-    return 1.0 if target and _normalise(predicted) == target else 0.0
+    return 1.0 if target and _normalise(completion_text if boxed is None else boxed) == target else 0.0
+
+
+def boxed(completion_text: str, answer: str) -> float:
+    """Format reward: 1.0 when the completion holds a closed \\boxed{...}, whatever is in it."""
+    return 0.0 if last_boxed(completion_text) is None else 1.0
+
+
+BUILTIN = {"math": math_answer, "exact_match": exact_match, "boxed": boxed}
+
+
+# ------------------------------------------------------------------------------------------ weighted list
+@dataclass(frozen=True)
+class RewardTerm:
+    name: str  # a built-in name or a dotted path, as configured
+    weight: float
+    fn: RewardFn
+
+
+def load_reward(name: str, math_timeout_s: int = 5) -> RewardFn:
+    """A built-in by name, else the callable at a dotted path (imported now, so a typo fails at load)."""
+    if name == "math":
+        return functools.partial(math_answer, timeout_s=math_timeout_s)
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name and "." not in name:
+        raise TaskError(f"unknown reward {name!r}: one of {', '.join(BUILTIN)} or a dotted path "
+                        "'package.module:function'")
+    fn = import_dotted(name, "reward")
+    if not callable(fn):
+        raise TaskError(f"reward {name!r} is not callable: {fn!r}")
+    return fn
+
+
+def reward_terms(spec: Any, math_timeout_s: int = 5) -> list[RewardTerm]:
+    """The weighted terms of a `reward` option: a name, or a list of names and {name, weight} tables."""
+    items = spec if isinstance(spec, list) else [spec]
+    terms = []
+    for item in items:
+        if isinstance(item, str):
+            name, weight = item, 1.0
+        elif isinstance(item, dict) and isinstance(item.get("name"), str) and set(item) <= {"name", "weight"}:
+            name, weight = item["name"], item.get("weight", 1.0)
+            if not isinstance(weight, numbers.Real) or isinstance(weight, bool):
+                raise TaskError(f"reward {name!r}: weight must be a number, got {weight!r}")
+        else:
+            raise TaskError(f"option 'reward': expected a name, a dotted path or a list of them and "
+                            f"{{name = ..., weight = ...}} tables, got {item!r}")
+        terms.append(RewardTerm(name, float(weight), load_reward(name, math_timeout_s)))
+    if not terms:
+        raise TaskError("option 'reward' is an empty list")
+    return terms
+
+
+def score(terms: list[RewardTerm], completion_text: str, answer: str) -> float:
+    """Σ weight · term(completion, answer). A term that raises or returns no number fails the sample
+    (safe_reward), rather than scoring it."""
+    total = 0.0
+    for term in terms:
+        value = term.fn(completion_text, answer)
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"reward {term.name!r} returned {type(value).__name__} {value!r}, expected a number")
+        total += term.weight * float(value)
+    return total

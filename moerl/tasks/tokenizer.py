@@ -4,11 +4,17 @@
 specials (pad, bos, eos) and byte b is id b + 3, so vocab_size is 259. `HFTokenizer` wraps a
 `transformers` or raw `tokenizers` tokenizer loaded from a local directory, for real checkpoints;
 both packages are imported lazily so the byte path needs neither.
+
+Chat models: `HFTokenizer.chat_template` is the template of a transformers tokenizer (None without one), and
+`apply_chat_template(messages)` returns exactly `tokenizer.apply_chat_template(messages,
+add_generation_prompt=True)`'s ids, the prompt a chat model was trained to answer. A raw `tokenizers`
+tokenizer (no transformers installed) has no template engine, so it has no chat template.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,8 @@ class ByteTokenizer:
     eos_token_id = 2
     offset = 3
     vocab_size = 256 + offset
+    chat_template = None  # no chat template: prompts are raw text
+    directory = None  # not loaded from files: `moerl export` has no tokenizer files to copy
 
     def encode(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
@@ -47,8 +55,9 @@ class HFTokenizer:
     """
 
     def __init__(self, inner: Any, *, eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 bos_token_id: int | None = None) -> None:
+                 bos_token_id: int | None = None, directory: str | None = None) -> None:
         self.inner = inner
+        self.directory = directory  # the local directory it was loaded from (its files travel with checkpoints)
         self._raw = hasattr(inner, "token_to_id") and not hasattr(inner, "convert_tokens_to_ids")
         eos = eos_token_id if eos_token_id is not None else getattr(inner, "eos_token_id", None)
         if eos is None:
@@ -70,6 +79,27 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        return None if self._raw else (getattr(self.inner, "chat_template", None) or None)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
+        """Ids of `messages` rendered with the chat template and the assistant's generation prompt appended.
+        kwargs go to the template (e.g. Qwen3's `enable_thinking=False`)."""
+        if self.chat_template is None:
+            raise TaskError("this tokenizer has no chat template")
+        out = self.inner.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                             **kwargs)
+        if isinstance(out, Mapping):  # a BatchEncoding despite return_dict=False (some transformers versions)
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+    def render_chat(self, messages: list[dict[str, str]], **kwargs: Any) -> str:
+        """The text `apply_chat_template` tokenizes (what the model reads), for logs and trajectories."""
+        if self.chat_template is None:
+            raise TaskError("this tokenizer has no chat template")
+        return self.inner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> HFTokenizer:
         """Load from a local directory only (never the network): transformers if installed, else
@@ -82,7 +112,7 @@ class HFTokenizer:
         except ImportError:
             return cls._from_tokenizers_json(directory)
         try:
-            return cls(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
+            return cls(AutoTokenizer.from_pretrained(str(directory), local_files_only=True), directory=str(directory))
         except (OSError, ValueError) as exc:
             raise TaskError(f"cannot load tokenizer from {str(directory)!r}: {exc}") from exc
 
@@ -104,7 +134,8 @@ class HFTokenizer:
             token = token.get("content") if isinstance(token, dict) else token
             return raw.token_to_id(token) if token else None
 
-        return cls(raw, eos_token_id=special("eos"), pad_token_id=special("pad"), bos_token_id=special("bos"))
+        return cls(raw, eos_token_id=special("eos"), pad_token_id=special("pad"), bos_token_id=special("bos"),
+                   directory=str(directory))
 
 
 def make_tokenizer(spec: str) -> Tokenizer:
