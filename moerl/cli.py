@@ -4,7 +4,7 @@
     moerl config configs/demo.toml --train.steps=20   # print the resolved config
     moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
     moerl bench dispatch [--help]
-    moerl export CHECKPOINT_DIR OUT_DIR [--step N]   # a checkpoint's policy as a Hugging Face directory
+    moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR]   # the policy as a Hugging Face directory
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=None, help="a committed step (default: latest)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="dtype of the written weights (default: the run's model.dtype)")
+    parser.add_argument("--source", default=None, metavar="DIR",
+                        help="a model or tokenizer directory whose tokenizer files and generation_config.json to "
+                        "write (default: those saved with the checkpoint)")
     args = parser.parse_args(argv)
     from moerl.checkpoint import CheckpointError, CheckpointStore, export_policy
 
@@ -62,7 +65,7 @@ def _export(argv: list[str]) -> int:
         print(f"error: {args.checkpoint_dir}: no committed checkpoint to export", file=sys.stderr)
         return 2
     try:
-        out = export_policy(args.checkpoint_dir, args.out_dir, step, dtype=args.dtype)
+        out = export_policy(args.checkpoint_dir, args.out_dir, step, dtype=args.dtype, source=args.source)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

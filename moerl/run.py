@@ -172,6 +172,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     from moerl.actors.checkpointer import Checkpointer
     from moerl.actors.pools import RayRolloutPool, RayTrainerGroup, TrainerLost
     from moerl.actors.weight_sync.sync import RayWeightSync
+    from moerl.checkpoint import serving_files
     from moerl.loop.controller import Controller
     from moerl.loop.dynamic_sampling import DynamicSampling
     from moerl.loop.evaluation import Evaluator
@@ -189,7 +190,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     worker_spec, trainer_spec = _specs(cfg, arch, task)
     checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
                                 dtype=cfg.model.dtype, timeout_s=cfg.checkpoint.timeout_s,
-                                max_failures=cfg.checkpoint.max_failures)
+                                max_failures=cfg.checkpoint.max_failures,
+                                serving_files=serving_files(cfg.model.path, getattr(task.tokenizer, "directory", None)))
     checkpointer.store.probe()  # before Ray starts: a run that cannot save finds out now, not at its first save
     if resume and checkpointer.latest() is None:
         raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")

@@ -18,7 +18,8 @@ import ray
 
 from moerl.actors.pools import RayTrainerGroup, TrainerLost
 from moerl.checkpoint import (
-    CONTROLLER_FILE, TRAINER_DIR, CheckpointStore, decode_controller_state, encode_controller_state, write_arch,
+    CONTROLLER_FILE, SERVING_DIR, TRAINER_DIR, CheckpointStore, decode_controller_state, encode_controller_state,
+    write_arch,
 )
 from moerl.loop.types import STATE_CLASSES
 from moerl.model.config import CheckpointError, MoEModelConfig
@@ -26,9 +27,11 @@ from moerl.model.config import CheckpointError, MoEModelConfig
 
 class Checkpointer:
     def __init__(self, root: str, keep: int, arch: MoEModelConfig, fingerprint: dict, use_async: bool = True,
-                 dtype: str | None = None, timeout_s: float = 1800.0, max_failures: int = 3) -> None:
+                 dtype: str | None = None, timeout_s: float = 1800.0, max_failures: int = 3,
+                 serving_files: dict[str, bytes] | None = None) -> None:
         self.store, self.keep, self.arch, self.fingerprint = CheckpointStore(root), keep, arch, fingerprint
         self.dtype = dtype  # the run's compute dtype, recorded for `moerl export`
+        self.serving_files = dict(serving_files or {})  # tokenizer files + generation_config.json, for `moerl export`
         self.use_async = use_async
         self.timeout_s, self.max_failures = timeout_s, max_failures
         self.pending: tuple[int, list] | None = None  # (step, trainer save refs) awaiting commit
@@ -45,6 +48,8 @@ class Checkpointer:
             self.store.write_bytes(step, CONTROLLER_FILE,
                                    encode_controller_state(controller_state, classes=STATE_CLASSES))
             write_arch(self.store, step, self.arch, self.dtype)
+            for name, data in self.serving_files.items():
+                self.store.write_bytes(step, f"{SERVING_DIR}/{name}", data)
             self.pending = (step, trainer.save_done())
         except TrainerLost:
             raise

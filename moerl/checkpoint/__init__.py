@@ -10,7 +10,9 @@
 """
 
 from moerl.checkpoint.controller_state import decode_controller_state, encode_controller_state
-from moerl.checkpoint.export import ARCH_FILE, TRAINER_DIR, export_policy, read_arch, write_arch
+from moerl.checkpoint.export import (
+    ARCH_FILE, SERVING_DIR, TRAINER_DIR, export_policy, read_arch, serving_files, write_arch,
+)
 from moerl.checkpoint.storage import CheckpointStore, step_name
 from moerl.checkpoint.trainer_state import (
     load_trainer_state, load_trainer_state_dict, save_trainer_state, trainer_state_dict,
@@ -20,7 +22,7 @@ from moerl.model.config import CheckpointError
 CONTROLLER_FILE = "controller.pt"
 
 __all__ = [
-    "ARCH_FILE", "CONTROLLER_FILE", "TRAINER_DIR", "CheckpointError", "CheckpointStore", "decode_controller_state",
-    "encode_controller_state", "export_policy", "load_trainer_state", "load_trainer_state_dict", "read_arch",
-    "save_trainer_state", "step_name", "trainer_state_dict", "write_arch",
+    "ARCH_FILE", "CONTROLLER_FILE", "SERVING_DIR", "TRAINER_DIR", "CheckpointError", "CheckpointStore",
+    "decode_controller_state", "encode_controller_state", "export_policy", "load_trainer_state", "load_trainer_state_dict", "read_arch",
+    "save_trainer_state", "serving_files", "step_name", "trainer_state_dict", "write_arch",
 ]

@@ -1,7 +1,14 @@
-"""Export the policy of a committed checkpoint as a Hugging Face directory (config.json + safetensors).
+"""Export the policy of a committed checkpoint as a Hugging Face directory that serves.
+
+    config.json + model.safetensors     the policy (save_pretrained)
+    tokenizer files, generation_config.json    of the source model, so `AutoTokenizer`, `AutoModelForCausalLM`
+                                        and a server (vLLM, SGLang) load the directory as it is
 
 Runs in one process with no process group: DCP reads every rank's files, and the expert shards
-(`model/<name>@ep{r}of{P}`) are concatenated back into the full stacked [E, ...] tensors.
+(`model/<name>@ep{r}of{P}`) are concatenated back into the full stacked [E, ...] tensors. The tokenizer
+files and generation_config.json travel with every checkpoint (`hf/` under the step, written by the
+Checkpointer from the run's tokenizer directory and `model.path`), so a checkpoint on S3 exports on a
+machine that has neither; `source` (`moerl export --source DIR`) takes them from a directory instead.
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from moerl.checkpoint.trainer_state import EP_KEY, load_into, read_metadata
 from moerl.model import CheckpointError, MoEModelConfig, build_model, save_pretrained
 
 ARCH_FILE = "arch.json"
+SERVING_DIR = "hf"  # under a step: the source model's tokenizer files and generation_config.json
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+GENERATION_CONFIG = "generation_config.json"
 EXPORT_DTYPES = ("float32", "bfloat16")
 TRAINER_DIR = "trainer"
 log = logging.getLogger(__name__)
@@ -28,6 +39,19 @@ def write_arch(store: CheckpointStore, step: int, model_config: MoEModelConfig, 
     the master weights (float32)."""
     arch = model_config.to_hf_dict() | ({"dtype": dtype} if dtype else {})
     store.write_bytes(step, ARCH_FILE, json.dumps(arch, indent=1).encode())
+
+
+def serving_files(model_path: str = "", tokenizer_dir: str | None = None) -> dict[str, bytes]:
+    """The files a served export needs besides the weights: the tokenizer's (from the run's tokenizer directory,
+    else the model's) and generation_config.json (the model's, else the tokenizer directory's). Absent ones are
+    skipped: a random-init model with the byte tokenizer has none."""
+    def read(directory: str | None, names: tuple[str, ...]) -> dict[str, bytes]:
+        if not directory or not Path(directory).is_dir():
+            return {}
+        return {n: (Path(directory) / n).read_bytes() for n in names if (Path(directory) / n).is_file()}
+    files = read(tokenizer_dir, TOKENIZER_FILES) or read(model_path, TOKENIZER_FILES)
+    generation = read(model_path, (GENERATION_CONFIG,)) or read(tokenizer_dir, (GENERATION_CONFIG,))
+    return files | generation
 
 
 def read_arch_dtype(store: CheckpointStore, step: int) -> str | None:
@@ -73,9 +97,14 @@ def gather_model_state(trainer_path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> Path:
+def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, dtype: str | None = None,
+                  source: str | None = None) -> Path:
     """Write the policy of `step` (default: the latest committed) under `out_dir`; returns out_dir.
-    dtype: of the written tensors, float32 or bfloat16 (default: the run's model.dtype, else the checkpoint's)."""
+    dtype: of the written tensors, float32 or bfloat16 (default: the run's model.dtype, else the checkpoint's).
+    source: a model or tokenizer directory whose tokenizer files and generation_config.json to write (default:
+    those saved with the checkpoint)."""
+    if source is not None and not Path(source).is_dir():
+        raise CheckpointError(f"export source {source!r} is not a directory")
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"export dtype must be one of {list(EXPORT_DTYPES)}, got {dtype!r}")
     store = CheckpointStore(checkpoint_root)
@@ -83,7 +112,7 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, d
         step = store.latest_step()
         if step is None:
             raise CheckpointError(f"{checkpoint_root}: no committed checkpoint to export")
-    store.verify(step)  # a partial or corrupted step names its files here rather than exporting garbage
+    manifest = store.verify(step)  # a partial or corrupted step names its files here rather than exporting garbage
     config = read_arch(store, step)
     state = gather_model_state(f"{store.step_path(step)}/{TRAINER_DIR}")
     dtype = dtype or read_arch_dtype(store, step)
@@ -101,4 +130,14 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, d
                     "place for: the exported model routes without it")
     model.tie_weights()
     save_pretrained(model, out_dir)
+    if source is not None:
+        extra = serving_files(source, source)
+    else:
+        prefix = SERVING_DIR + "/"
+        extra = {n[len(prefix):]: store.read_bytes(step, n) for n in sorted(manifest["files"]) if n.startswith(prefix)}
+    for name, data in extra.items():
+        (Path(out_dir) / name).write_bytes(data)
+    if not any(n in extra for n in TOKENIZER_FILES):
+        log.warning("%s: no tokenizer files %s (the run used no tokenizer directory): AutoTokenizer cannot load it; "
+                    "`moerl export --source MODEL_DIR` adds them", out_dir, "given" if source else "in the checkpoint")
     return Path(out_dir)

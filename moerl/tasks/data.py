@@ -87,7 +87,8 @@ def _read_hf(path: str, split: str) -> list[tuple[str, dict[str, Any]]]:
     try:
         import datasets
     except ImportError:
-        raise TaskError(f"reading {path!r} (a saved Hugging Face dataset) needs datasets: pip install datasets") from None
+        raise TaskError(f"reading {path!r} (a saved Hugging Face dataset) needs datasets: "
+                        "pip install datasets") from None
     try:
         loaded = datasets.load_from_disk(path)
     except Exception as exc:  # noqa: BLE001 - FileNotFoundError, json errors, arrow errors

@@ -180,6 +180,86 @@ def test_export_writes_the_runs_compute_dtype_unless_told(tmp_path):
         export_policy(store.root, str(tmp_path / "x"), dtype="float16")
 
 
+def _chat_model_dir(directory) -> dict:
+    """A source model's serving files: a chat tokenizer (save_pretrained's files) and generation_config.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "hello"]
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    raw.add_special_tokens(words[:3])
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<pad>",
+                                         unk_token="<unk>", chat_template=template).save_pretrained(directory)
+    generation = {"eos_token_id": [2, 0], "pad_token_id": 0, "temperature": 0.6, "top_p": 0.95, "do_sample": True}
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    return generation
+
+
+class _InProcessGroup:
+    """What Checkpointer.save drives (RayTrainerGroup.save_state / save_done), on one in-process trainer."""
+
+    def __init__(self, trainer: PolicyTrainer) -> None:
+        self.trainer, self.futures = trainer, []
+
+    def save_state(self, path: str, use_async: bool) -> None:
+        self.futures = [save_trainer_state(self.trainer, path, use_async=False)]
+
+    def save_done(self) -> list:
+        return self.futures
+
+
+def test_export_serves_with_the_source_models_tokenizer_and_generation_config(tmp_path, monkeypatch, caplog):
+    """The run's tokenizer files and generation_config.json travel with each checkpoint; the exported directory
+    loads in AutoTokenizer (chat template included) and AutoModelForCausalLM (with the generation config)."""
+    transformers = pytest.importorskip("transformers")
+    from moerl.actors import checkpointer
+    from moerl.checkpoint import serving_files
+    from moerl.cli import main as cli
+
+    source = tmp_path / "model"
+    source.mkdir()
+    generation = _chat_model_dir(source)
+    monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
+    tr = trained(steps=1, bias_rate=0.0, vocab_size=7, eos_token_id=2, pad_token_id=0)
+    files = serving_files("", str(source))  # model.path empty (random init), the task's tokenizer directory
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(files)
+    ckpt = checkpointer.Checkpointer(str(tmp_path / "ckpts"), keep=2, arch=tr.model.config, fingerprint={},
+                                     use_async=False, serving_files=files)
+    ckpt.save(1, _InProcessGroup(tr), {"steps": 1})
+    assert ckpt.latest() == 1 and "hf/tokenizer.json" in ckpt.store.verify(1)["files"]
+
+    out = export_policy(ckpt.store.root, str(tmp_path / "hf"))
+    for name in files:
+        assert (out / name).read_bytes() == (source / name).read_bytes()
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    original = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
+    messages = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == \
+        original.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == [1, 4, 6, 2, 1, 5]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == generation["eos_token_id"]
+    assert model.generation_config.temperature == generation["temperature"]
+    ids = torch.tensor([tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)])
+    tr.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, tr.model(ids), atol=1e-5)
+
+    bare = CheckpointStore(str(tmp_path / "bare"))  # a checkpoint without them (byte tokenizer, or an older one)
+    save_trainer_state(tr, f"{bare.step_path(1)}/trainer", use_async=False)
+    write_arch(bare, 1, tr.model.config)
+    bare.commit(1)
+    with caplog.at_level("WARNING", logger="moerl.checkpoint.export"):
+        assert not any(n in (p.name for p in export_policy(bare.root, str(tmp_path / "bare_hf")).iterdir())
+                       for n in files)
+    assert "no tokenizer files in the checkpoint" in caplog.text and "--source MODEL_DIR" in caplog.text
+    assert cli(["export", bare.root, str(tmp_path / "sourced"), "--source", str(source)]) == 0
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "sourced", local_files_only=True).chat_template
+    assert (tmp_path / "sourced" / "generation_config.json").is_file()
+    assert cli(["export", bare.root, str(tmp_path / "x"), "--source", str(tmp_path / "nope")]) == 2
+
+
 def _forge(ck, key: str, marker, *, bytes_entry: bool = True, path: str = "evil.distcp") -> None:
     """Rewrite the checkpoint's .metadata: `key` becomes a "bytes" entry (dressed with a tensor's size and
     properties, which pickle lets a forger set) stored at `path`, where a pickle that touches `marker` waits."""

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from moerl.tasks import ByteTokenizer, HFTokenizer, TaskError, load_task, safe_reward
-from moerl.tasks.dataset import DatasetConfig, DatasetTask
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -106,7 +105,8 @@ def test_chat_options_without_a_chat_template_are_refused(tmp_path):
 def _verl_rows() -> list[dict]:
     """verl's Parquet layout (examples/data_preprocess/gsm8k.py)."""
     return [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"what is 2 + {i} ?"}], "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": str(2 + i)}, "extra_info": {"split": "train", "index": i}}
+             "reward_model": {"style": "rule", "ground_truth": str(2 + i)},
+             "extra_info": {"split": "train", "index": i}}
             for i in range(3)]
 
 
@@ -129,7 +129,8 @@ def test_parquet_in_verls_layout(tmp_path, chat_dir, reference):
     pq.write_table(pa.Table.from_pylist(rows[2:]), shards / "part-1.parquet")
     assert len(load_task(TASK, {**options, "path": str(shards)}, seed=0).rows) == 3
 
-    pq.write_table(pa.Table.from_pylist([{"question": "q", "reward_model": {"style": "rule"}}]), tmp_path / "bad.parquet")
+    bad_rows = [{"question": "q", "reward_model": {"style": "rule"}}]
+    pq.write_table(pa.Table.from_pylist(bad_rows), tmp_path / "bad.parquet")
     with pytest.raises(TaskError, match=r"bad.parquet row 0: row has no 'reward_model.ground_truth'"):
         load_task(TASK, {**options, "path": str(tmp_path / "bad.parquet"), "prompt_key": "question"}, seed=0)
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
@@ -158,10 +159,12 @@ def test_field_names_are_configurable_and_rows_checked(tmp_path):
     task = load_task(TASK, {"path": data, "prompt_key": "question", "answer_key": "meta.solution",
                             "format": "jsonl", "shuffle": False}, seed=0)
     assert [(p.prompt_text, p.answer) for p in map(task.prompt_at, range(2))] == [("2+3?", "5"), ("2+2?", "4")]
-    bad = [({"conversation": [{"role": "user"}], "answer": "1"}, r"bad.jsonl:1: conversation\[0\] must be an object with string 'role' and 'content'"),
+    bad = [({"conversation": [{"role": "user"}], "answer": "1"},
+            r"bad.jsonl:1: conversation\[0\] must be an object with string 'role' and 'content'"),
            ({"conversation": [], "answer": "1"}, r"'conversation' must be a non-empty list"),
            ({"prompt": 3, "answer": "1"}, r"'prompt' must be a string or a list of messages, got int"),
-           ({"question": "q", "answer": "1"}, r"row has neither 'prompt' nor 'conversation' \(keys: question, answer\)"),
+           ({"question": "q", "answer": "1"},
+            r"row has neither 'prompt' nor 'conversation' \(keys: question, answer\)"),
            ({"prompt": "q", "answer": None}, r"'answer' is null")]
     for row, message in bad:
         with pytest.raises(TaskError, match=message):
