@@ -609,6 +609,9 @@ def _toml_value(value: Any) -> str:
         return f'"{value.translate(_TOML_ESCAPES)}"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):  # an inline table, e.g. in a list: task.options.reward = [{ name = "math" }]
+        items = [f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+        return "{ " + ", ".join(items) + " }" if items else "{}"
     raise TypeError(f"dump_toml cannot write {type(value).__name__} values: {value!r}")
 
 

@@ -205,3 +205,16 @@ def test_weighted_reward_list_with_dotted_paths(tmp_path, monkeypatch):
         with pytest.raises(TaskError, match=message):
             load_task(TASK, {"path": data, "reward": spec}, seed=0)
     assert "my_rewards" in sys.modules
+
+
+def test_a_weighted_reward_list_round_trips_through_moerl_config(tmp_path):
+    import tomllib
+
+    from moerl.config import dump_toml, load_config
+    toml = tmp_path / "run.toml"
+    toml.write_text('[task]\nname = "moerl.tasks.dataset:DatasetTask"\n'
+                    'options = { path = "d.jsonl", reward = [{ name = "math", weight = 1.0 }, "boxed"], '
+                    'chat_template_kwargs = { enable_thinking = false } }\n')
+    options = tomllib.loads(dump_toml(load_config(str(toml), [])))["task"]["options"]
+    assert options == {"path": "d.jsonl", "reward": [{"name": "math", "weight": 1.0}, "boxed"],
+                       "chat_template_kwargs": {"enable_thinking": False}}
