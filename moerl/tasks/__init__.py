@@ -1,7 +1,8 @@
 """Tasks: deterministic prompt streams with verifiable rewards, loaded by dotted path.
 
 See `moerl.tasks.base` for the protocol; built-ins are `moerl.tasks.arithmetic:ArithmeticTask`
-(synthetic, download-free) and `moerl.tasks.jsonl:JsonlTask` (local prompt/answer files).
+(synthetic, download-free) and `moerl.tasks.dataset:DatasetTask` (local JSONL / Parquet / saved HF datasets,
+chat templates, weighted rewards; `moerl.tasks.jsonl:JsonlTask` is its earlier name).
 """
 
 from moerl.tasks.base import (
