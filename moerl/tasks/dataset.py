@@ -142,9 +142,14 @@ class DatasetTask:
                 raise TaskError(f"option 'system_prompt' needs a tokenizer with a chat template; "
                                 f"{self.config.tokenizer!r} has none")
             return
-        if self.config.wrap_text_prompts and any(r.text is not None for r in self.rows):
-            log.info("task %s: text prompts are sent as one user message in the chat template of %s "
-                     "(task option wrap_text_prompts = false: as raw text)", self._name, self.config.tokenizer)
+        has_text = any(r.text is not None for r in self.rows)
+        if has_text and self.config.system_prompt and not self.config.wrap_text_prompts:
+            raise TaskError("option 'system_prompt' cannot reach the text prompts of this data with "
+                            "wrap_text_prompts = false (they are sent as raw text)")
+        if has_text and self.config.wrap_text_prompts:
+            # a warning, so that it shows without logging set up: the prompts differ from the data's text
+            log.warning("task %s: text prompts are sent as one user message in the chat template of %s "
+                        "(task option wrap_text_prompts = false: as raw text)", self._name, self.config.tokenizer)
         try:  # a template that cannot render these rows fails now, not on a rollout worker
             self._render_row(self.rows.index(first_chat) if first_chat is not None else 0)
         except TaskError:

@@ -80,13 +80,16 @@ def test_messages_rows_are_exactly_the_chat_template(tmp_path, chat_dir, referen
 
 def test_text_prompts_are_wrapped_as_a_user_message_unless_told(tmp_path, chat_dir, reference, caplog):
     data = jsonl(tmp_path / "text.jsonl", [{"prompt": "what is 2 + 3 ?", "answer": "5"}])
-    with caplog.at_level("INFO", logger="moerl.tasks.dataset"):
+    with caplog.at_level("WARNING", logger="moerl.tasks.dataset"):
         wrapped = load_task(TASK, {"path": data, "tokenizer": str(chat_dir)}, seed=0)
     assert "sent as one user message" in caplog.text and "wrap_text_prompts = false" in caplog.text
     assert wrapped.prompt_at(0).prompt_token_ids == reference(Q)
     raw = load_task(TASK, {"path": data, "tokenizer": str(chat_dir), "wrap_text_prompts": False}, seed=0)
     assert raw.prompt_at(0).prompt_token_ids == raw.tokenizer.encode("what is 2 + 3 ?")  # no BOS in this vocab
     assert raw.prompt_at(0).prompt_text == "what is 2 + 3 ?"
+    with pytest.raises(TaskError, match="'system_prompt' cannot reach the text prompts"):
+        load_task(TASK, {"path": data, "tokenizer": str(chat_dir), "wrap_text_prompts": False,
+                         "system_prompt": "be brief"}, seed=0)
 
 
 def test_chat_options_without_a_chat_template_are_refused(tmp_path):
