@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from moerl.config import MoerlConfig
-from moerl.model import MoEModelConfig, read_config, tiny_config
+from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.rollout import EngineConfig, SamplingParams
-from moerl.tasks.base import Task, load_task
+from moerl.tasks.base import Task, load_task, stop_token_ids
 from moerl.train.trainer import Sample
 
 
@@ -48,6 +48,13 @@ def model_architecture(cfg: MoerlConfig, task: Task) -> MoEModelConfig:
                        max_position_embeddings=cfg.rollout.max_seq_len, **presets[cfg.model.preset])
 
 
+def run_stop_token_ids(cfg: MoerlConfig, task: Task) -> tuple[int, ...]:
+    """What ends a completion: the tokenizer's EOS and end-of-turn tokens, and the checkpoint's
+    generation_config.json `eos_token_id` (an int or a list) when the run starts from one."""
+    from_checkpoint = read_stop_token_ids(cfg.model.path) if cfg.model.path else ()
+    return tuple(dict.fromkeys(stop_token_ids(task.tokenizer) + from_checkpoint))
+
+
 def resolve_device(cfg: MoerlConfig) -> str:
     if cfg.run.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +68,7 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
     device = resolve_device(cfg)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                              stop_token_ids=[task.tokenizer.eos_token_id])
+                              stop_token_ids=run_stop_token_ids(cfg, task))
     engine = EngineConfig(max_batch_size=cfg.rollout.max_batch_size, max_seq_len=cfg.rollout.max_seq_len,
                           deterministic=cfg.run.deterministic, seed=cfg.run.seed)
     t = cfg.train

@@ -36,6 +36,29 @@ def read_config(path: str | Path) -> MoEModelConfig:
     return MoEModelConfig.from_hf_dict(raw, source=str(config_file))
 
 
+def read_stop_token_ids(path: str | Path) -> tuple[int, ...]:
+    """The ids that end generation for a checkpoint: `eos_token_id` of its generation_config.json (an int or a
+    list: chat models list `<|im_end|>` and `<|endoftext|>`), else of its config.json; () when neither has one."""
+    directory = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        file = directory / name
+        if not file.is_file():
+            continue
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        if eos is None:
+            continue
+        ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ids):
+            raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        return tuple(dict.fromkeys(ids))
+    return ()
+
+
 def _open(f: Path):
     """safe_open, with an unreadable file reported as a CheckpointError naming it."""
     try:

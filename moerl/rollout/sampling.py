@@ -10,7 +10,7 @@ continues it after a preemption; and the whole batch samples in a few vectorised
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,9 +23,15 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    stop_token_ids: list[int] = field(default_factory=list)
+    # Any of these ends the request (finish_reason "stop"): EOS, and for chat models `<|im_end|>` etc.
+    # (moerl.tasks.stop_token_ids, moerl.model.read_stop_token_ids). A list or one int is taken as a tuple.
+    stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # None: the engine draws one per request
     min_new_tokens: int = 0  # stop tokens are ignored before this many tokens
+
+    def __post_init__(self) -> None:
+        ids = self.stop_token_ids
+        self.stop_token_ids = (ids,) if isinstance(ids, int) else tuple(ids)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the bad field."""
@@ -39,7 +45,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.min_new_tokens < 0:
             raise ValueError(f"SamplingParams.min_new_tokens must be >= 0, got {self.min_new_tokens}")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
         if self.seed is not None and not 0 <= self.seed < 2**63:

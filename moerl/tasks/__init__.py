@@ -14,10 +14,11 @@ from moerl.tasks.base import (
     derive_seed,
     load_task,
     safe_reward,
+    stop_token_ids,
 )
 from moerl.tasks.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
 
 __all__ = [
     "ByteTokenizer", "HFTokenizer", "Prompt", "Task", "TaskError", "Tokenizer", "completion_text",
-    "derive_seed", "load_task", "make_tokenizer", "safe_reward",
+    "derive_seed", "load_task", "make_tokenizer", "safe_reward", "stop_token_ids",
 ]

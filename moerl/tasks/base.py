@@ -69,12 +69,19 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+def stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids that end a completion: EOS first, then the tokenizer's `stop_token_ids` where it has them (a chat
+    tokenizer's `<|im_end|>`...; optional, so any object with the Tokenizer protocol's fields works)."""
+    extra = getattr(tokenizer, "stop_token_ids", None) or ()
+    return tuple(dict.fromkeys([int(tokenizer.eos_token_id), *(int(i) for i in extra)]))
+
+
 def completion_text(tokenizer: Tokenizer, completion_token_ids: list[int]) -> str:
-    """Decoded completion up to (not including) the first EOS; a completion without EOS is kept whole."""
+    """Decoded completion up to (not including) the first stop token (`stop_token_ids`); kept whole without one."""
+    stops = set(stop_token_ids(tokenizer))
     ids = list(completion_token_ids)
-    if tokenizer.eos_token_id in ids:
-        ids = ids[: ids.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(ids)
+    end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(ids[:end])
 
 
 def check_index(index: int) -> None:
@@ -201,5 +208,5 @@ def safe_reward(task: Task, prompt: Prompt, completion_ids: list[int]) -> tuple[
 
 __all__ = [
     "Prompt", "Task", "TaskError", "Tokenizer", "build_config", "check_index",
-    "completion_text", "derive_seed", "import_dotted", "load_task", "safe_reward",
+    "completion_text", "derive_seed", "import_dotted", "load_task", "safe_reward", "stop_token_ids",
 ]

@@ -20,6 +20,9 @@ from typing import Any
 
 from moerl.tasks.base import TaskError, Tokenizer
 
+# Tokens that end a turn or a document in chat templates (Qwen/ChatML, Llama 3): a model stops on them as on EOS.
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past three specials. `encode` adds no specials; `decode` skips them."""
@@ -27,6 +30,7 @@ class ByteTokenizer:
     pad_token_id = 0
     bos_token_id = 1
     eos_token_id = 2
+    stop_token_ids = (2,)
     offset = 3
     vocab_size = 256 + offset
     chat_template = None  # no chat template: prompts are raw text
@@ -52,6 +56,7 @@ class HFTokenizer:
 
     Special ids come from the wrapped tokenizer (transformers) or must be given (raw `tokenizers`,
     which knows no roles). pad falls back to eos; bos may be None (Qwen-style tokenizers have none).
+    `stop_token_ids`: EOS, then those of END_TOKENS that the vocabulary has.
     """
 
     def __init__(self, inner: Any, *, eos_token_id: int | None = None, pad_token_id: int | None = None,
@@ -67,6 +72,20 @@ class HFTokenizer:
         self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_id
         bos = bos_token_id if bos_token_id is not None else getattr(inner, "bos_token_id", None)
         self.bos_token_id: int | None = None if bos is None else int(bos)
+        found = [self._special_id(t) for t in END_TOKENS]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_token_id] + [i for i in found
+                                                                                         if i is not None]))
+
+    def _special_id(self, token: str) -> int | None:
+        """The id of a token string, or None when the vocabulary lacks it (never the unknown token's id)."""
+        if self._raw:
+            return self.inner.token_to_id(token)
+        try:
+            i = self.inner.convert_tokens_to_ids(token)
+        except (KeyError, ValueError, TypeError):
+            return None
+        unk = getattr(self.inner, "unk_token_id", None)
+        return None if i is None or (unk is not None and i == unk) else int(i)
 
     @property
     def vocab_size(self) -> int:
