@@ -40,9 +40,10 @@ class DecodeGraphs:
 
     def run(self, reqs, n: int):
         bucket = next(b for b in self.buckets if b >= n)
-        # One graph per (bucket, sampling variant): greedy-only batches skip the noise, unfiltered ones the sort.
+        # One graph per (bucket, sampling variant): greedy-only batches skip the noise, unfiltered ones the sort,
+        # top-k batches sort only their top_k_cap candidates.
         hints = sampling_hints(reqs)
-        key = (bucket, hints["all_greedy"], hints["any_filter"])
+        key = (bucket, *sorted(hints.items()))
         if self.disabled_reason is None and key not in self.captured:
             try:
                 self.captured[key] = self._capture(bucket, hints)

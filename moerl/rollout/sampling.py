@@ -1,11 +1,16 @@
 """Sampling: greedy, temperature, top-k, top-p, with noise keyed by (seed, position, token id).
 
-Shape legend: B requests in the batch, V vocabulary.
+Shape legend: B requests in the batch, V vocabulary, C candidates (the top-k set, or V when sorting all).
 
 Randomness is a counter-based hash, not a torch.Generator: the Gumbel noise for request r at position p and
 token v is a pure function of (seed_r, p, v). So a request's tokens do not depend on what else is in the batch,
 on the order of the batch, on the device (the same integer arithmetic runs on CPU and CUDA), or on which engine
 continues it after a preemption; and the whole batch samples in a few vectorised kernels (graph-capturable).
+
+Cost: with no top-k/top-p (RL's temperature-1 decode) a token is argmax(logits / T + noise), the Gumbel-max
+trick (the exponential race with E = -log U): no sort, and on CUDA one fused Triton pass over the logits that
+also yields the full log-softmax of the chosen token. Top-k sorts only its top-K candidates; top-p without a
+top-k on every row still sorts the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class SamplingParams:
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values < 2**32.
 
-    Multipliers are below 2**31 so every product fits in int64: no overflow, identical on every device.
+    Multipliers are below 2**31 so every product fits in int64: no overflow, identical on every device. The
+    Triton sampler (moerl/kernels/triton_sampling.py) computes the same bits in uint32 arithmetic.
     """
     x = x & _MASK32
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
@@ -68,13 +74,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def noise_key(seeds_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
+    """The 32-bit key (in int64) of each row's noise: a hash of (seed, position)."""
+    return _mix32(_mix32(seeds_B ^ (seeds_B >> 32)) ^ _mix32(positions_B))
+
+
+def gumbel_at(seeds_B: torch.Tensor, positions_B: torch.Tensor, tokens_BK: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise in float32 of the given token ids [B, K] (int64): a pure function of (seed, position,
+    token id), so noise over a candidate set equals the full-vocabulary noise gathered at those ids."""
+    bits_BK = _mix32(noise_key(seeds_B, positions_B)[:, None] ^ _mix32(tokens_BK * 0x9E3779B1 + 0x632BE5AB))
+    uniform_BK = ((bits_BK >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(uniform_BK))
+
+
 def gumbel_noise(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, V] in float32, a pure function of (seed, position, token id)."""
-    key_B = _mix32(_mix32(seeds_B ^ (seeds_B >> 32)) ^ _mix32(positions_B))
     token_V = torch.arange(vocab_size, device=seeds_B.device, dtype=torch.int64)
-    bits_BV = _mix32(key_B[:, None] ^ _mix32(token_V * 0x9E3779B1 + 0x632BE5AB)[None, :])
-    uniform_BV = ((bits_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(uniform_BV))
+    return gumbel_at(seeds_B, positions_B, token_V[None, :])
 
 
 @dataclass
@@ -107,43 +123,79 @@ class SamplingBatch:
 
 
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch, *, all_greedy: bool = False,
-           any_filter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+           any_filter: bool = True, top_k_cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (token_B int64, logprob_B float32).
 
     logprob is the sampled token's log-probability under softmax(logits / temperature) (temperature 1 when
     greedy), over the full vocabulary: what the trainer recomputes, not the top-k/top-p-filtered distribution.
-    all_greedy / any_filter are host-side hints that skip work (eager decode); a graph passes the defaults.
+    Host-side hints (`sampling_hints`) that skip work, each giving the same tokens as the general path:
+    all_greedy: argmax only; any_filter=False (no row has top-k/top-p, what RL decodes): one Gumbel-max pass,
+    no sort; top_k_cap = K > 0 (every sampling row has 0 < top_k <= K): sort only the top K candidates.
     """
-    logits_BV = logits_BV.float()
     V = logits_BV.shape[-1]
     if all_greedy:
+        logits_BV = logits_BV.float()
         token_B = logits_BV.argmax(dim=-1)
-        return token_B, torch.log_softmax(logits_BV, dim=-1).gather(1, token_B[:, None]).squeeze(1)
+        return token_B, _logprob_of(logits_BV, token_B, torch.logsumexp(logits_BV, dim=-1))
+    if not any_filter:
+        return gumbel_argmax(logits_BV, batch)
+    logits_BV = logits_BV.float()
     greedy_B = batch.temperature_B == 0
     temp_B = torch.where(greedy_B, torch.ones_like(batch.temperature_B), batch.temperature_B)
     scaled_BV = logits_BV / temp_B[:, None]
-    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-    if not any_filter:
-        noisy_BV = scaled_BV + gumbel_noise(batch.seed_B, batch.position_B, V)
-        token_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), noisy_BV.argmax(dim=-1))
-        return token_B, logprobs_BV.gather(1, token_B[:, None]).squeeze(1)
-    # Filter in sorted order: top-k by rank, top-p by the probability mass before each token.
-    sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
-    rank_V = torch.arange(V, device=logits_BV.device)
+    lse_B = torch.logsumexp(scaled_BV, dim=-1)
+    # Filter in sorted order: top-k by rank, top-p by the probability mass (of the full softmax) before each token.
+    if 0 < top_k_cap < V:
+        cand_BC, order_BC = torch.topk(scaled_BV, top_k_cap, dim=-1)  # sorted, descending
+    else:
+        cand_BC, order_BC = torch.sort(scaled_BV, dim=-1, descending=True)
+    rank_C = torch.arange(cand_BC.shape[-1], device=logits_BV.device)
     k_B = torch.where(batch.top_k_B > 0, batch.top_k_B, V)
-    probs_sorted_BV = torch.softmax(sorted_BV, dim=-1)
-    mass_before_BV = torch.cumsum(probs_sorted_BV, dim=-1) - probs_sorted_BV
-    keep_BV = (rank_V[None, :] < k_B[:, None]) & (mass_before_BV < batch.top_p_B[:, None])
-    keep_BV[:, 0] = True
-    noise_BV = gumbel_noise(batch.seed_B, batch.position_B, V).gather(1, order_BV)
-    choice_B = torch.where(keep_BV, sorted_BV + noise_BV, float("-inf")).argmax(dim=-1)
-    sampled_B = order_BV.gather(1, choice_B[:, None]).squeeze(1)
+    probs_BC = torch.exp(cand_BC - lse_B[:, None])
+    mass_before_BC = torch.cumsum(probs_BC, dim=-1) - probs_BC
+    keep_BC = (rank_C[None, :] < k_B[:, None]) & (mass_before_BC < batch.top_p_B[:, None])
+    keep_BC[:, 0] = True
+    noise_BC = gumbel_at(batch.seed_B, batch.position_B, order_BC)
+    choice_B = torch.where(keep_BC, cand_BC + noise_BC, float("-inf")).argmax(dim=-1)
+    sampled_B = order_BC.gather(1, choice_B[:, None]).squeeze(1)
     token_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), sampled_B)
-    return token_B, logprobs_BV.gather(1, token_B[:, None]).squeeze(1)
+    return token_B, _logprob_of(scaled_BV, token_B, lse_B)
+
+
+def _logprob_of(scaled_BV: torch.Tensor, token_B: torch.Tensor, lse_B: torch.Tensor) -> torch.Tensor:
+    """log softmax(scaled)[token] as scaled[token] - logsumexp(scaled): no [B, V] log-softmax is written."""
+    return scaled_BV.gather(1, token_B[:, None]).squeeze(1) - lse_B
+
+
+def gumbel_argmax(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling without filters: argmax(logits / T + Gumbel noise) per row (argmax of logits for greedy rows),
+    and the token's full-vocabulary log-prob. On CUDA with Triton one fused pass reads the logits once (no
+    [B, V] temporaries: noise, scaled logits and log-softmax stay in registers); elsewhere the torch reference."""
+    from moerl.kernels import use_triton
+
+    if use_triton(logits_BV) and logits_BV.shape[0] > 0:
+        from moerl.kernels.triton_sampling import gumbel_argmax_triton
+
+        return gumbel_argmax_triton(logits_BV, batch.temperature_B, noise_key(batch.seed_B, batch.position_B))
+    return gumbel_argmax_reference(logits_BV, batch)
+
+
+def gumbel_argmax_reference(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_BV = logits_BV.float()
+    greedy_B = batch.temperature_B == 0
+    temp_B = torch.where(greedy_B, torch.ones_like(batch.temperature_B), batch.temperature_B)
+    scaled_BV = logits_BV / temp_B[:, None]
+    noisy_BV = scaled_BV + gumbel_noise(batch.seed_B, batch.position_B, logits_BV.shape[-1])
+    token_B = torch.where(greedy_B, scaled_BV.argmax(dim=-1), noisy_BV.argmax(dim=-1))
+    return token_B, _logprob_of(scaled_BV, token_B, torch.logsumexp(scaled_BV, dim=-1))
 
 
 def sampling_hints(reqs) -> dict:
-    """Host-side facts about a batch that let `sample` skip work: all greedy, or no top-k/top-p filter."""
-    params = [r.params for r in reqs]
-    return {"all_greedy": all(p.greedy for p in params),
-            "any_filter": any(p.top_k > 0 or p.top_p < 1.0 for p in params)}
+    """Host-side facts about a batch that let `sample` skip work (greedy rows ignore top-k/top-p): all greedy;
+    any sampling row with a top-k/top-p filter; top_k_cap, the largest top_k when every sampling row has one
+    (0 otherwise). Each distinct value is its own decode graph, so a run with one SamplingParams has one."""
+    sampling = [r.params for r in reqs if not r.params.greedy]
+    capped = bool(sampling) and all(p.top_k > 0 for p in sampling)
+    return {"all_greedy": not sampling,
+            "any_filter": any(p.top_k > 0 or p.top_p < 1.0 for p in sampling),
+            "top_k_cap": max(p.top_k for p in sampling) if capped else 0}
