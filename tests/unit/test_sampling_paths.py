@@ -117,6 +117,9 @@ for V, dtype in ((4099, torch.bfloat16), (37, torch.float32)):
     ref_tok, ref_lp = gumbel_argmax_reference(logits, b)
     assert tok.tolist() == ref_tok.tolist(), (tok, ref_tok)
     assert (lp - ref_lp).abs().max() < 1e-5
+flat = torch.zeros(3, 2500)  # greedy ties: the first token, as torch.argmax
+tok, lp = gumbel_argmax_triton(flat, torch.zeros(3), torch.arange(3))
+assert tok.tolist() == [0, 0, 0] and torch.allclose(lp, torch.full((3,), -float(torch.tensor(2500.).log())))
 print("ok")
 """
 
