@@ -1,27 +1,33 @@
 """`moerl bench rollout`: generation throughput of moerl's engine against transformers' `generate`.
 
-    python -m moerl.cli bench rollout                  # GPU: 256 requests x 128-token prompts x 256 new tokens,
-                                                       # a random-init ~1B-parameter Qwen3-MoE, bf16
-    python -m moerl.cli bench rollout --device cpu     # the tiny demo model on CPU
+    python -m moerl.cli bench rollout                          # GPU: the 0.92B preset, 256 requests x 128-token
+                                                               # prompts x 256 new tokens, greedy, bf16
+    python -m moerl.cli bench rollout --preset qwen3-30b-a3b   # Qwen3-30B-A3B's shape, random init, temperature 1
+    python -m moerl.cli bench rollout --device cpu             # the tiny demo model on CPU (preset `tiny`)
 
-Both run the same weights on the same prompts in one process, greedy, with no stop token (every request
-generates exactly --new-tokens). transformers runs with its dynamic cache and its static cache; the faster
-is the peer. Decode throughput = tokens generated after each request's first token / time after the last
-first token. The HBM floor of one decode step is the bytes of the weights the batch touches (attention, the
-experts its tokens route to, embeddings row reads aside, lm_head) plus the KV cache read, over the measured
-device copy bandwidth.
-"""
+Presets (`PRESETS`) fix the model shape, the workload and the sampling; --requests/--prompt-len/--new-tokens/
+--temperature override them. Random weights are drawn on the device itself (no CPU copy, no download). Both
+engines run the same weights on the same prompts in one process, with no stop token (every request generates
+exactly --new-tokens). transformers runs with its dynamic and its static cache; the faster is the peer (not run
+at the 30B shape: a second 61 GB copy of the weights does not fit next to ours). Decode throughput = tokens
+generated after each request's first token / time after the last first token. The HBM floor of one decode step
+is the bytes of the weights the batch touches (attention, the experts its tokens route to, the router, the
+lm_head; embedding rows aside) plus the KV cache at the mean context, over the measured device copy bandwidth;
+the table gives the floor as tok/s and our fraction of it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from moerl.bench.common import Row, device_description, format_table, measure_copy_bandwidth, synchronize
-from moerl.model import MoEModelConfig, build_model, tiny_config
+from moerl.model import MoECausalLM, MoEModelConfig, build_model, tiny_config
+from moerl.model.layers import RMSNorm
 from moerl.rollout import Engine, EngineConfig, SamplingParams
 
 
@@ -33,26 +39,94 @@ def bench_model_config() -> MoEModelConfig:
                           max_position_embeddings=4096)
 
 
+def qwen3_30b_a3b_config() -> MoEModelConfig:
+    """Qwen3-30B-A3B's shape (its config.json): 48 layers, hidden 2048, 32 query / 4 key-value heads of 128,
+    128 experts top-8 of intermediate 768, vocabulary 151,936; 30.5B parameters, 3.3B active per token."""
+    return MoEModelConfig(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          rope_theta=1_000_000.0, max_position_embeddings=40_960)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape and the workload run on it."""
+
+    config: Callable[[], MoEModelConfig]
+    requests: int
+    prompt_len: int
+    new_tokens: int
+    temperature: float  # 0 = greedy (lets the output be compared with transformers')
+    dtype: torch.dtype
+    peer: bool  # run transformers generate by default
+    note: str = ""
+
+
+PRESETS = {
+    "tiny": Preset(tiny_config, 16, 16, 32, 0.0, torch.float32, True, "the demo model"),
+    "0.9b": Preset(bench_model_config, 256, 128, 256, 0.0, torch.bfloat16, True),
+    "qwen3-30b-a3b": Preset(qwen3_30b_a3b_config, 256, 128, 256, 1.0, torch.bfloat16, False,
+                            "transformers not run by default: a second copy of the 61 GB of weights does not fit"),
+}
+
+
+def random_model(config: MoEModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, *,
+                 draw_on_device: bool | None = None):
+    """A random-init model. draw_on_device (default: on CUDA): the weights are drawn by a generator on the
+    device (normal(0, initializer_range), norms at one) straight into `dtype` storage: no float32 or CPU copy,
+    so the 30B shape needs only its 61 GB. Otherwise `build_model`'s seeded CPU draws (the same weights on
+    every machine)."""
+    if not (device.type == "cuda" if draw_on_device is None else draw_on_device):
+        return build_model(config, dtype=dtype, device=device, seed=seed)
+    model = build_model(config, dtype=dtype, device=device, init=False)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, config.initializer_range, generator=gen)
+    return model
+
+
+def parameter_count(config: MoEModelConfig) -> int:
+    """Parameters of the model built from `config`, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = MoECausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="moerl bench rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--requests", type=int, default=None, help="GPU 256, CPU 16")
-    p.add_argument("--prompt-len", type=int, default=None, help="GPU 128, CPU 16")
-    p.add_argument("--new-tokens", type=int, default=None, help="GPU 256, CPU 32")
-    p.add_argument("--peer", default="dynamic,static", help="transformers cache implementations, or 'none'")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="GPU: 0.9b, CPU: tiny")
+    p.add_argument("--requests", type=int, default=None, help="default: the preset's")
+    p.add_argument("--prompt-len", type=int, default=None, help="default: the preset's")
+    p.add_argument("--new-tokens", type=int, default=None, help="default: the preset's")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default: the preset's")
+    p.add_argument("--peer", default=None, help="transformers cache implementations ('dynamic,static'), or "
+                   "'none'; default: both, none for qwen3-30b-a3b")
+    p.add_argument("--peak-bw", type=float, default=None, help="HBM datasheet bandwidth in GB/s for a second "
+                   "floor (default 4800 on an H200, else none); the first is over the measured copy bandwidth")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     p.add_argument("--profile", action="store_true", help="print the top ops of 5 decode steps")
     return p.parse_args(argv)
 
 
-def _run_engine(engine: Engine, model, prompts, new_tokens: int) -> dict:
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+def _params(n: int, new_tokens: int, temperature: float) -> list[SamplingParams]:
+    """One seed per request: sampled runs are reproducible and every request draws its own noise."""
+    return [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i) for i in range(n)]
+
+
+def _run_engine(engine: Engine, model, prompts, new_tokens: int, temperature: float) -> dict:
+    params = _params(len(prompts), new_tokens, temperature)
     device = next(model.parameters()).device
     synchronize(device)
     t0 = time.perf_counter()
-    for p in prompts:
-        engine.submit(p, params)
+    for p, sp in zip(prompts, params):
+        engine.submit(p, sp)
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
     generated = 0
@@ -68,16 +142,16 @@ def _run_engine(engine: Engine, model, prompts, new_tokens: int) -> dict:
     all_first = max(first.values())
     return {"total_s": total, "ttft_s": sum(first.values()) / len(first), "all_first_s": all_first,
             "decode_tok_s": (generated - len(prompts)) / (total - all_first), "generated": generated,
-            "decode_steps": engine.stats["decode_steps"], "tokens": [tokens[k] for k in sorted(tokens, key=lambda r: int(r.split("-")[1]))],
-            "graphs": engine.graphs is not None and
-            engine.graphs.disabled_reason is None}
+            "decode_steps": engine.stats["decode_steps"],
+            "tokens": [tokens[k] for k in sorted(tokens, key=lambda r: int(r.split("-")[1]))],
+            "graphs": engine.graphs is not None and engine.graphs.disabled_reason is None}
 
 
-def _profile_decode(engine: Engine, prompts, device) -> None:
+def _profile_decode(engine: Engine, prompts, device, temperature: float) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    for p in prompts:
-        engine.submit(p, SamplingParams(max_new_tokens=64, temperature=0.0))
+    for p, sp in zip(prompts, _params(len(prompts), 64, temperature)):
+        engine.submit(p, sp)
     for _ in range(3):
         engine.step()  # prefill, then steady decode
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -110,11 +184,13 @@ def _hf_model(model, impl: str = "grouped_mm"):
     return hf
 
 
-def _run_hf(hf, prompts, new_tokens: int, cache: str) -> dict:
+def _run_hf(hf, prompts, new_tokens: int, cache: str, temperature: float) -> dict:
     device = next(hf.parameters()).device
     ids = torch.tensor(prompts, device=device)
     # An explicit all-ones mask: with pad_token_id=0 and no mask, transformers would mask prompt tokens equal to 0.
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
+    if temperature > 0:  # plain sampling, as ours: no top-k (transformers' default is 50), no top-p
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     with torch.no_grad():
@@ -133,45 +209,68 @@ def _run_hf(hf, prompts, new_tokens: int, cache: str) -> dict:
             "tokens": out[:, ids.shape[1]:].tolist()}
 
 
-def _floor_step_s(config: MoEModelConfig, batch: int, context: int, bytes_per: int, copy_bw: float) -> float:
-    """HBM bytes of one decode step (weights touched once, KV read once) over the copy bandwidth."""
+def decode_step_bytes(config: MoEModelConfig, batch: int, context: int, bytes_per: int) -> tuple[float, float]:
+    """(weight bytes, KV bytes) one decode step must read from HBM: every weight the batch touches once (the
+    attention, the router, the experts its batch x top-k assignments hit, the lm_head; embedding rows aside)
+    and the keys/values of `context` positions per request.
+
+    Experts touched per layer: E (1 - (1 - K/E)^batch), the expected number of distinct experts hit by uniform
+    routing (a random-init router is close to uniform). It is E for any batch much larger than E/K: all
+    experts at 256 requests for both presets; smaller batches read fewer."""
     D, L, E, K = config.hidden_size, config.num_hidden_layers, config.num_experts, config.num_experts_per_tok
     attn = D * config.head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
-    experts_touched = E * (1 - (1 - K / E) ** batch)  # expected distinct experts per layer
+    experts_touched = E * (1 - (1 - K / E) ** batch)
     expert = 3 * D * config.moe_intermediate_size
     weights = L * (attn + experts_touched * expert + E * D) + config.vocab_size * D
     kv = batch * context * L * 2 * config.num_key_value_heads * config.head_dim
-    return (weights + kv) * bytes_per / copy_bw
+    return weights * bytes_per, kv * bytes_per
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(argv or []))
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = _device(args.device)
     gpu = device.type == "cuda"
-    R = args.requests or (256 if gpu else 16)
-    P = args.prompt_len or (128 if gpu else 16)
-    N = args.new_tokens or (256 if gpu else 32)
-    config = bench_model_config() if gpu else tiny_config()
-    dtype = torch.bfloat16 if gpu else torch.float32
-    torch.set_num_threads(torch.get_num_threads())
-    model = build_model(config, dtype=dtype, device=device, seed=0)
-    params = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, config.vocab_size, (R, P), generator=gen).tolist()
-    print(f"rollout: {R} requests x {P}-token prompts x {N} new tokens, {params / 1e9:.2f}B-parameter MoE "
-          f"({config.num_experts} experts top-{config.num_experts_per_tok}), {dtype}, {device_description(device)}")
-    engine = Engine(model, EngineConfig(max_batch_size=R, max_seq_len=P + N, prefill_chunk=P,
-                                        max_prefill_tokens=1 << 20, cuda_graphs=not args.no_graphs))
-    # Warm-up on the same engine at full batch: Triton compiles, CUDA-graph buckets up to R are captured.
-    _run_engine(engine, model, prompts, 4)
-    ours = _run_engine(engine, model, prompts, N)
-    if args.profile:
-        _profile_decode(engine, prompts, device)
+    name = args.preset or ("0.9b" if gpu else "tiny")
+    preset = PRESETS[name]
+    R, P, N = args.requests or preset.requests, args.prompt_len or preset.prompt_len, args.new_tokens or preset.new_tokens
+    T = preset.temperature if args.temperature is None else args.temperature
+    config = preset.config()
+    dtype = preset.dtype if gpu else torch.float32
+    print(f"rollout [{name}]: building a random-init {parameter_count(config) / 1e9:.2f}B-parameter MoE "
+          f"({config.num_hidden_layers} layers, {config.num_experts} experts top-{config.num_experts_per_tok}) "
+          f"in {dtype} on {device_description(device)}", flush=True)
+    try:
+        t0 = time.perf_counter()
+        model = random_model(config, dtype, device, seed=0)
+        synchronize(device)
+        print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, config.vocab_size, (R, P), generator=gen).tolist()
+        engine = Engine(model, EngineConfig(max_batch_size=R, max_seq_len=P + N, prefill_chunk=P,
+                                            max_prefill_tokens=1 << 20, cuda_graphs=not args.no_graphs))
+        print(f"{R} requests x {P}-token prompts x {N} new tokens, temperature {T}; warming up "
+              f"(CUDA graphs for every batch bucket up to {R})", flush=True)
+        _run_engine(engine, model, prompts, 4, T)  # Triton compiles, every graph bucket up to R captured
+        ours = _run_engine(engine, model, prompts, N, T)
+        if args.profile:
+            _profile_decode(engine, prompts, device, T)
+    except torch.OutOfMemoryError as e:
+        free, total = torch.cuda.mem_get_info(device) if gpu else (0, 0)
+        print(f"out of device memory at preset {name} with {R} requests x {P + N} positions: "
+              f"{str(e).splitlines()[0][:200]} (free {free / 2**30:.1f} of {total / 2**30:.1f} GiB); "
+              "try fewer --requests", file=sys.stderr)
+        return 1
     print(f"moerl: {ours['total_s']:.2f}s total, mean TTFT {ours['ttft_s'] * 1e3:.1f} ms, "
-          f"{ours['decode_tok_s']:.0f} decode tok/s, CUDA graphs: {ours['graphs']}")
+          f"{ours['decode_tok_s']:.0f} decode tok/s, CUDA graphs: {ours['graphs']}", flush=True)
     peer, peer_name = None, "-"
-    caches = [c for c in args.peer.split(",") if c and c != "none"]
+    peer_spec = args.peer if args.peer is not None else ("dynamic,static" if preset.peer else "none")
+    caches = [c for c in peer_spec.split(",") if c and c != "none"]
     if caches:
         try:
             hf = _hf_model(model)
@@ -180,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             print("transformers is not installed: no peer column")
         for cache in caches:
             try:
-                res = _run_hf(hf, prompts, N, cache)
+                res = _run_hf(hf, prompts, N, cache, T)
             except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our numbers
                 print(f"transformers generate ({cache} cache) failed: {str(e).splitlines()[0][:160]}")
                 continue
@@ -190,20 +289,32 @@ def main(argv: list[str] | None = None) -> int:
                 peer, peer_name = res, cache
     copy_bw = measure_copy_bandwidth(device)
     step_s = 1.0 / (ours["decode_tok_s"] / R)
-    floor_s = _floor_step_s(config, R, P + N // 2, 2 if gpu else 4, copy_bw)
+    weight_bytes, kv_bytes = decode_step_bytes(config, R, P + N // 2, torch.finfo(dtype).bits // 8)
+    floor_s = (weight_bytes + kv_bytes) / copy_bw
+    peak_bw = args.peak_bw * 1e9 if args.peak_bw else (4.8e12 if gpu and "H200" in torch.cuda.get_device_name(device)
+                                                        else None)
     rows = [
         Row("decode throughput", ours["decode_tok_s"], peer["decode_tok_s"] if peer else None, "tok/s",
             ceiling=R / floor_s),
+        Row("HBM floor (decode)", R / floor_s, None, "tok/s"),
         Row("end-to-end throughput", R * N / ours["total_s"], R * N / peer["total_s"] if peer else None, "tok/s"),
         Row("mean time to first token", ours["ttft_s"] * 1e3, peer["ttft_s"] * 1e3 if peer else None, "ms",
             higher_is_better=False),
-        Row("decode step", step_s * 1e3, None, "ms", ceiling=None),
+        Row("decode step", step_s * 1e3, None, "ms"),
     ]
-    print(format_table(f"\nrollout (peer: transformers generate, {peer_name} cache, grouped_mm experts)", rows,
-                       peer_name="transformers"))
-    print(f"hw limit: HBM floor of a decode step {floor_s * 1e3:.3f} ms (weights touched + KV at mean context, "
-          f"over the measured copy bandwidth {copy_bw / 1e9:.0f} GB/s); ours is {floor_s / step_s * 100:.1f}% of it")
     if peer is not None:
+        title = f"peer: transformers generate, {peer_name} cache, grouped_mm experts"
+    else:
+        title = "peer: none" + (f" ({preset.note})" if not preset.peer and args.peer is None else "")
+    print(format_table(f"\nrollout [{name}], temperature {T} ({title})", rows, peer_name="transformers"))
+    print(f"hw limit: HBM floor of a decode step {floor_s * 1e3:.3f} ms = {weight_bytes / 1e9:.3g} GB of weights "
+          f"touched + {kv_bytes / 1e9:.3g} GB of KV at the mean context {P + N // 2}, over the measured copy "
+          f"bandwidth {copy_bw / 1e9:.0f} GB/s; ours is {floor_s / step_s * 100:.1f}% of it")
+    if peak_bw:
+        peak_floor_s = (weight_bytes + kv_bytes) / peak_bw
+        print(f"at the datasheet {peak_bw / 1e12:.1f} TB/s: floor {R / peak_floor_s:,.0f} tok/s "
+              f"({peak_floor_s * 1e3:.3f} ms/step); ours is {peak_floor_s / step_s * 100:.1f}% of it")
+    if peer is not None and T == 0:
         # Greedy outputs should agree; in bf16 a near-tie can flip a token and with it the rest of a sequence.
         same = sum(a == b for a, b in zip(ours["tokens"], peer["tokens"]))
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))

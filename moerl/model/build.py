@@ -33,7 +33,7 @@ def build_model(
     disp = make_dispatcher(dispatcher, config.num_experts, expert_parallel_group)
     with torch.device("meta"):
         model = MoECausalLM(config, dispatcher=disp, capacity_factor=capacity_factor, experts_impl=experts_impl)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta: the device holds only `dtype` copies
     model.tie_weights()  # to_empty breaks the sharing of tied parameters
     model.model.rotary.__init__(config.head_dim, config.rope_theta)  # non-persistent buffer lost on meta
     model.model.rotary.to(device)
