@@ -162,7 +162,8 @@ def split_by_label(events, on_cuda: bool) -> tuple[dict[str, float], dict[str, c
 
 # ------------------------------------------------------------------------------------------ graph-mode timeline
 def device_kernels(events) -> list:
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    """Kernels, copies and memsets on the device (not the device-side spans of our labelled ranges)."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(TAG)]
 
 
 def busy_and_gaps(kernels) -> tuple[float, float, list[float]]:
