@@ -226,6 +226,10 @@ def decode_step_bytes(config: MoEModelConfig, batch: int, context: int, bytes_pe
     return weights * bytes_per, kv * bytes_per
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     T = preset.temperature if args.temperature is None else args.temperature
     config = preset.config()
     dtype = preset.dtype if gpu else torch.float32
-    print(f"rollout [{name}]: building a random-init {parameter_count(config) / 1e9:.2f}B-parameter MoE "
+    print(f"rollout [{name}]: building a random-init {_size(parameter_count(config))}-parameter MoE "
           f"({config.num_hidden_layers} layers, {config.num_experts} experts top-{config.num_experts_per_tok}) "
           f"in {dtype} on {device_description(device)}", flush=True)
     try:

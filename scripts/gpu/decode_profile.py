@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = preset.dtype if on_cuda else torch.float32
     R, P = args.requests, args.prompt_len
     max_seq = P + args.warmup + 2 * args.steps + 16  # no request finishes while profiled
-    log(f"preset {args.preset}: {parameter_count(config) / 1e9:.2f}B parameters, {config.num_hidden_layers} layers, "
+    n = parameter_count(config)
+    log(f"preset {args.preset}: {n / 1e9:.2f}B ({n:,}) parameters, {config.num_hidden_layers} layers, "
         f"{config.num_experts} experts top-{config.num_experts_per_tok}, vocabulary {config.vocab_size}, {dtype}; "
         f"{R} requests x {P}-token prompts, temperature {args.temperature}, max_seq_len {max_seq}")
     try:
