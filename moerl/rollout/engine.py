@@ -21,10 +21,11 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from moerl.kernels import use_triton
 from moerl.model.transformer import MoECausalLM
 from moerl.rollout.decode_graphs import DecodeGraphs
 from moerl.rollout.kv_cache import ForwardPlan, SlabKVCache
-from moerl.rollout.sampling import SamplingBatch, SamplingParams, sample, sampling_hints
+from moerl.rollout.sampling import SamplingBatch, SamplingParams, fused_sampler_ok, sample, sampling_hints
 from moerl.rollout.types import Completion, StepOutput
 
 
@@ -73,6 +74,9 @@ class Engine:
         arch = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if use_triton(param):  # compile and check the fused sampler now, never inside a decode graph's capture
+            for logits_dtype in {self.dtype, torch.float32}:
+                fused_sampler_ok(self.device, logits_dtype)
         self.cache = SlabKVCache(arch.num_hidden_layers, config.max_batch_size, config.max_seq_len,
                                  arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
         # Host-side routing table: the experts chosen at each position of each slot's request.

@@ -15,6 +15,8 @@ top-k on every row still sorts the whole vocabulary.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -173,11 +175,37 @@ def gumbel_argmax(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.
     [B, V] temporaries: noise, scaled logits and log-softmax stay in registers); elsewhere the torch reference."""
     from moerl.kernels import use_triton
 
-    if use_triton(logits_BV) and logits_BV.shape[0] > 0:
+    if use_triton(logits_BV) and logits_BV.shape[0] > 0 and fused_sampler_ok(logits_BV.device, logits_BV.dtype):
         from moerl.kernels.triton_sampling import gumbel_argmax_triton
 
         return gumbel_argmax_triton(logits_BV, batch.temperature_B, noise_key(batch.seed_B, batch.position_B))
     return gumbel_argmax_reference(logits_BV, batch)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_sampler_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton sampler gives the reference's tokens and log-probs on this device (checked once per
+    process, eagerly: the Engine calls it before any CUDA graph is captured). A kernel that fails to compile or
+    disagrees falls back to the torch reference with a warning instead of sampling wrong tokens."""
+    from moerl.kernels.triton_sampling import gumbel_argmax_triton
+
+    g = torch.Generator(device=device).manual_seed(0)
+    logits_BV = (4 * torch.randn(8, 5003, generator=g, device=device)).to(dtype)
+    batch = SamplingBatch.empty(8, device)
+    batch.set_rows(list(range(8)), [SamplingParams(temperature=t) for t in (0.0, 1.0, 0.7, 1.3) * 2],
+                   seeds=list(range(8)), positions=[3 * i for i in range(8)])
+    try:
+        token_B, logprob_B = gumbel_argmax_triton(logits_BV, batch.temperature_B,
+                                                  noise_key(batch.seed_B, batch.position_B))
+        want_token_B, want_logprob_B = gumbel_argmax_reference(logits_BV, batch)
+        ok = torch.equal(token_B, want_token_B) and torch.allclose(logprob_B, want_logprob_B, atol=1e-4, rtol=0)
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure: the reference still samples right
+        logging.getLogger(__name__).warning("the Triton sampler failed (%s): sampling with the torch reference", e)
+        return False
+    if not ok:
+        logging.getLogger(__name__).warning("the Triton sampler disagrees with its reference on %s %s: sampling "
+                                            "with the torch reference", device, dtype)
+    return ok
 
 
 def gumbel_argmax_reference(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,3 +131,27 @@ def test_triton_sampler_matches_the_reference_in_the_interpreter():
     out = subprocess.run([sys.executable, "-c", _INTERPRETED.format(root=root)], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_fused_sampler_that_fails_or_disagrees_falls_back_to_the_reference(monkeypatch, caplog):
+    """The Triton sampler is checked once per device and dtype against the reference before it samples: one that
+    raises (e.g. fails to compile) or returns other tokens is not used."""
+    import sys
+    import types
+
+    from moerl.rollout import sampling
+
+    def wrong(logits_BV, temperature_B, key_B):
+        return torch.zeros(logits_BV.shape[0], dtype=torch.long), torch.zeros(logits_BV.shape[0])
+
+    def broken(*args):
+        raise RuntimeError("PTX compile error")
+
+    for fake, message in ((wrong, "disagrees"), (broken, "PTX compile error")):
+        monkeypatch.setitem(sys.modules, "moerl.kernels.triton_sampling",
+                            types.SimpleNamespace(gumbel_argmax_triton=fake))
+        sampling.fused_sampler_ok.cache_clear()
+        with caplog.at_level("WARNING"):
+            assert not sampling.fused_sampler_ok(torch.device("cpu"), torch.float32)
+        assert message in caplog.text
+    sampling.fused_sampler_ok.cache_clear()
