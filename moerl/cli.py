@@ -1,41 +1,116 @@
-"""`moerl` command line. Subcommands import their parts lazily.
+"""`moerl` command line. Subcommands import their parts lazily: every `--help` answers before torch or Ray loads.
 
     moerl train configs/demo.toml [--resume] [--section.key=value ...]   # the RL job (`make demo` runs this)
     moerl config configs/demo.toml --train.steps=20   # print the resolved config
     moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
     moerl bench dispatch [--help]
-    moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR]   # the policy as a Hugging Face directory
+    moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR] [--force]   # the policy as a Hugging Face directory
+    moerl launch configs/demo.toml --scheduler local_cwd     # TorchX: local or EKS (docs/eks.md)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
+import textwrap
 
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
            "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint",
            "train": "moerl.bench.train", "loop": "moerl.bench.loop"}
 
 
+EXIT_CODES = ("exit status: 0 the run finished; 1 it failed (the error line says how to resume); 2 a bad config "
+              "or input, found before anything started; 130 / 143 stopped by Ctrl-C / SIGTERM after saving a "
+              "checkpoint (the last line says how to resume)")
+
+
+def config_sections() -> str:
+    """The config's sections and their keys (moerl/config.py's dataclasses), one section a line, for --help."""
+    from moerl.config import MoerlConfig
+
+    lines = []
+
+    def walk(section: object, name: str) -> None:
+        fields = dataclasses.fields(section)  # type: ignore[arg-type]
+        nested = [f for f in fields if dataclasses.is_dataclass(getattr(section, f.name))]
+        keys = [f.name for f in fields if f not in nested]
+        if name:
+            lines.extend(textwrap.wrap(", ".join(keys), 112, initial_indent=f"  {name:<13}",
+                                       subsequent_indent=" " * 15))
+        for f in nested:
+            walk(getattr(section, f.name), f"{name}.{f.name}" if name else f.name)
+
+    walk(MoerlConfig(), "")
+    return ("config sections (set any key with --section.key=value; `moerl config CONFIG` prints them resolved):\n"
+            + "\n".join(lines))
+
+
+def _overrides(parser: argparse.ArgumentParser, extra: list[str]) -> list[str]:
+    bad = [a for a in extra if not (a.startswith("--") and "." in a.partition("=")[0])]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key=value)")
+    return extra
+
+
+def train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moerl train", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="moerl train CONFIG.toml [--resume | --resume-step N] [--section.key=value ...]",
+        description=textwrap.fill(
+            "Run the asynchronous RL job of CONFIG (a local Ray unless ray.address is set). Inputs are checked "
+            "before Ray starts; a run directory that holds a run is never overwritten (--resume continues it). "
+            "SIGTERM or Ctrl-C saves a checkpoint and stops; a second Ctrl-C aborts.", 112),
+        epilog=config_sections() + "\n\n" + textwrap.fill(EXIT_CODES, 112))
+    parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    parser.add_argument("--resume-step", type=int, metavar="N", help="continue from committed checkpoint step N")
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    """`moerl train`'s arguments: config, resume, resume_step and the --section.key=value overrides."""
+    parser = train_parser()
+    args, extra = parser.parse_known_args(argv)
+    args.overrides = _overrides(parser, extra)
+    return args
+
+
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: moerl bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
-        return 2
+        print(f"usage: moerl bench {{{','.join(BENCHES)}}} [options]\n\nbenchmarks (see BENCHMARKS.md): "
+              f"{', '.join(BENCHES)}; `moerl bench NAME --help` lists each one's options",
+              file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     return importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0
 
 
 def _config(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moerl config", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="moerl config CONFIG.toml [--section.key=value ...]",
+        description=textwrap.fill("Print the resolved config (defaults < file < overrides) as TOML, after its "
+                                  "checks: every key's type and value, and the task's options against the task's "
+                                  "own option class.", 112),
+        epilog=config_sections())
+    parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
+    args, extra = parser.parse_known_args(argv)
     from moerl.config import ConfigError, dump_toml, load_config
 
-    if not argv:
-        print("usage: moerl config CONFIG.toml [--section.key=value ...]", file=sys.stderr)
-        return 2
     try:
-        print(dump_toml(load_config(argv[0], argv[1:])), end="")
+        cfg = load_config(args.config, _overrides(parser, extra))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from moerl.tasks.base import TaskError, task_config
+
+    try:  # imports the task's module (a config is trusted: it names code that every node imports)
+        task_config(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
+    except TaskError as e:
+        print(f"error: config key 'task.options' (or 'task.name'): {e}", file=sys.stderr)
+        return 2
+    print(dump_toml(cfg), end="")
     return 0
 
 
@@ -56,7 +131,16 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--source", default=None, metavar="DIR",
                         help="a model or tokenizer directory whose tokenizer files and generation_config.json to "
                         "write (default: those saved with the checkpoint)")
+    parser.add_argument("--force", action="store_true", help="write into OUT_DIR even if it is not empty "
+                        "(files of the same names are replaced)")
     args = parser.parse_args(argv)
+    from pathlib import Path
+
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not args.force:
+        what = "is not empty" if out_dir.is_dir() else "is a file"
+        print(f"error: {args.out_dir} {what}: choose another OUT_DIR, or --force to write into it", file=sys.stderr)
+        return 2
     from moerl.checkpoint import CheckpointError, CheckpointStore, export_policy
 
     store = CheckpointStore(args.checkpoint_dir)
@@ -74,6 +158,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
+    parse_train_args(argv)  # --help and argument errors answer here, before torch and Ray load
     from moerl.run import main as train_main
 
     return train_main(argv)
@@ -89,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("command", choices=sorted(COMMANDS))
         parser.print_help()
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except KeyboardInterrupt:  # `moerl train` handles its own; the other commands stop here, without a traceback
+        print(f"moerl {argv[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -104,8 +104,11 @@ class RolloutConfig:
     imds_url: str = ""  # EC2 spot notice URL to poll every 5 s ("" = off; SIGTERM always works)
 
     def validate(self) -> None:
-        for name in ("num_workers", "group_size", "max_new_tokens", "max_batch_size"):
+        for name in ("num_workers", "max_new_tokens", "max_batch_size"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
+        # GRPO advantages are each reward minus its group's mean (moerl.train.loss.group_advantages)
+        require(self.group_size >= 2, "group_size", "must be >= 2: an advantage is the reward minus its group's mean, "
+                "so in a group of one every advantage is 0 and nothing is learned")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(self.max_inflight_groups >= 0, "max_inflight_groups", "must be >= 0 (0 = from max_batch_size)")
@@ -143,7 +146,10 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule
 
     def validate(self) -> None:
+        require(self.steps >= 1, "steps", "must be >= 1")
         require(self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        require(self.sft_steps == 0 or self.sft_lr > 0, "sft_lr", "must be > 0 when sft_steps > 0")
+        require(self.sft_steps == 0 or self.sft_batch >= 1, "sft_batch", "must be >= 1 when sft_steps > 0")
         for name in ("batch_groups", "num_ranks"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
@@ -201,6 +207,8 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         require(self.every >= 0, "every", "must be >= 0 (0 = no periodic saves)")
+        require(re.match(r"s3a?://[^/]", self.dir) is not None or not self.dir.startswith(("s3://", "s3a://")), "dir",
+                "must be s3://bucket/prefix with a bucket named")
         require(self.keep >= 1, "keep", "must be >= 1")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
         require(self.max_failures >= 1, "max_failures", "must be >= 1")

@@ -126,8 +126,7 @@ def _local(runner: Any, info: Any) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from moerl.launch.plan import SCHEDULERS
-    from moerl.launch.plan import plan as make_plan
+    from moerl.launch.presets import SCHEDULERS
 
     parser = argparse.ArgumentParser(prog="moerl launch", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,6 +137,8 @@ def main(argv: list[str]) -> int:
     bad = [o for o in overrides if not (o.startswith("--") and "." in o.partition("=")[0])]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (overrides are --section.key=value)")
+    from moerl.launch.plan import plan as make_plan
+
     try:
         plan = make_plan(load_config(args.config, overrides), args.scheduler)
     except ConfigError as e:

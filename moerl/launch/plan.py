@@ -15,9 +15,8 @@ from torchx.specs import AppDef
 from moerl.config import ConfigError, MoerlConfig
 from moerl.launch.components import pod_config, resource, rollout, trainer_app
 from moerl.launch.kubernetes import JobShape, head_address, token_secret
-from moerl.launch.presets import PRESETS, InstanceType
+from moerl.launch.presets import PRESETS, SCHEDULERS, InstanceType
 
-SCHEDULERS = ("local_cwd", "kubernetes")
 COMPLETE_ON_RANK0 = [{"event": "TaskCompleted", "action": "CompleteJob"}]
 RESTART_POD = [{"event": "PodEvicted", "action": "RestartTask"}, {"event": "PodFailed", "action": "RestartTask"}]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULERS = ("local_cwd", "kubernetes")  # TorchX schedulers `moerl launch` runs on (here: torchx-free, for --help)
+
 
 @dataclass(frozen=True)
 class InstanceType:

@@ -171,16 +171,23 @@ def build_config(dotted: str, config_class: type, options: dict[str, Any], seed:
         raise TaskError(f"task {dotted!r}: {exc}") from exc
 
 
+def task_config(dotted: str, options: dict[str, Any] | None = None, *, seed: int) -> tuple[type, Any]:
+    """The task class and its options built into its `config_class` (names, types and the class's own checks),
+    without building the task: no data or tokenizer is read. `moerl config` checks a config's task with it."""
+    cls = _import(dotted)
+    config_class: Any = getattr(cls, "config_class", None)
+    if config_class is None or not dataclasses.is_dataclass(config_class):
+        raise TaskError(f"cannot load task {dotted!r}: class has no dataclass `config_class` attribute")
+    return cls, build_config(dotted, config_class, dict(options or {}), seed)
+
+
 def load_task(dotted: str, options: dict[str, Any] | None = None, *, seed: int) -> Task:
     """Import `module:Class` (or `module.Class`), build its `config_class` from `options`, instantiate.
 
     `seed` (the run seed) fills the config's `seed` field unless `options` sets it explicitly.
     """
-    cls = _import(dotted)
-    config_class: Any = getattr(cls, "config_class", None)
-    if config_class is None or not dataclasses.is_dataclass(config_class):
-        raise TaskError(f"cannot load task {dotted!r}: class has no dataclass `config_class` attribute")
-    task = cls(build_config(dotted, config_class, dict(options or {}), seed))
+    cls, config = task_config(dotted, options, seed=seed)
+    task = cls(config)
     missing = [m for m in ("tokenizer", "prompt_at", "reward") if not hasattr(task, m)]
     if missing:
         raise TaskError(f"cannot load task {dotted!r}: not a Task, missing {', '.join(missing)}")
@@ -209,4 +216,5 @@ def safe_reward(task: Task, prompt: Prompt, completion_ids: list[int]) -> tuple[
 __all__ = [
     "Prompt", "Task", "TaskError", "Tokenizer", "build_config", "check_index",
     "completion_text", "derive_seed", "import_dotted", "load_task", "safe_reward", "stop_token_ids",
+    "task_config",
 ]
