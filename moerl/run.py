@@ -10,19 +10,25 @@ With no `ray.address` (and no RAY_ADDRESS) a local Ray instance is started on 12
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from moerl import preflight
 from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
+from moerl.preflight import PreflightError, one_line
 from moerl.rollout import EngineConfig, SamplingParams
-from moerl.tasks.base import Task, load_task, stop_token_ids
+from moerl.tasks.base import Task, stop_token_ids
 from moerl.train.trainer import Sample
 
 
@@ -89,14 +95,17 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
     return worker, trainer
 
 
-def warm_start(trainer, task: Task, cfg: MoerlConfig, log) -> None:
-    """Supervised steps on the task's reference answers, so RL starts from a policy that knows the format."""
+def warm_start(trainer, task: Task, cfg: MoerlConfig, log, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Supervised steps on the task's reference answers, so RL starts from a policy that knows the format.
+    Returns False when `stop` cut it short (the run then ends without a checkpoint: nothing RL-trained yet)."""
     if cfg.train.sft_steps == 0:
-        return
+        return True
     if not hasattr(task, "sft_example"):
         raise ValueError(f"train.sft_steps={cfg.train.sft_steps} but task {cfg.task.name!r} has no sft_example()")
     trainer.set_lr(cfg.train.sft_lr)
     for step in range(cfg.train.sft_steps):
+        if stop():
+            return False
         samples = []
         for j in range(cfg.train.sft_batch):
             prompt_ids, target_ids = task.sft_example(1_000_000 + step * cfg.train.sft_batch + j)
@@ -104,6 +113,7 @@ def warm_start(trainer, task: Task, cfg: MoerlConfig, log) -> None:
         metrics = trainer.sft_step(samples)
         log(step, metrics)
     trainer.set_lr(cfg.train.optim.lr)
+    return True
 
 
 def eval_plan(cfg: MoerlConfig, task: Task):
@@ -132,6 +142,72 @@ def _fingerprint(cfg: MoerlConfig, arch: MoEModelConfig) -> dict:
     """What a checkpoint must agree on with the config that resumes it (checked before anything runs)."""
     return {"architecture": {k: v for k, v in arch.to_hf_dict().items() if k not in ("bos_token_id", "pad_token_id")},
             "ep_size": cfg.ep.size, "num_ranks": cfg.train.num_ranks, "task": cfg.task.name}
+
+
+@dataclass
+class Prepared:
+    """What the preflight checks built, for the run to use: the task, the architecture, the step to resume."""
+
+    task: Task
+    arch: MoEModelConfig
+    resume_step: int | None
+
+
+def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None) -> Prepared:
+    """Every check of moerl/preflight.py, in its order, before Ray starts: a run that cannot work fails here,
+    in seconds and in one line, rather than in an actor or at its first checkpoint."""
+    from moerl.checkpoint import CheckpointStore
+
+    resume = resume or resume_step is not None
+    run_dir = Path(cfg.run.dir)
+    preflight.check_run_dir(run_dir)
+    store = CheckpointStore(cfg.checkpoint_dir())
+    store.probe()  # a run that cannot save finds out now, not at its first save
+    if not resume:
+        preflight.check_no_run(run_dir, store)
+    checked_arch = preflight.check_model(cfg.model.path) if cfg.model.path else None
+    task = preflight.check_task(cfg)
+    try:
+        arch = checked_arch or model_architecture(cfg, task)
+    except ValueError as e:
+        raise PreflightError(str(e)) from e
+    preflight.check_tokenizer(task, arch)
+    step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step)
+            if resume else None)
+    return Prepared(task, arch, step)
+
+
+class StopSignals:
+    """SIGTERM and a first Ctrl-C (SIGINT) ask the loop to stop: it saves a checkpoint and returns, and
+    `moerl train` exits 128 + the signal (143, 130). A second Ctrl-C aborts at once (KeyboardInterrupt, no save).
+    Installed only from the main thread (signal handlers can be set nowhere else)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None  # the first signal received
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.event.is_set():
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C: abort now
+            return
+        self.signum = signum
+        self.event.set()
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        # os.write, not print: a handler that prints can interrupt a print of the main thread (reentrant call)
+        os.write(2, f"\n{what}: stopping; saving a checkpoint first (Ctrl-C again aborts without saving)\n".encode())
 
 
 def _local_ray_auth(cfg: MoerlConfig) -> None:
@@ -168,12 +244,16 @@ def _loop_config(cfg: MoerlConfig):
                       checkpoint_every=cfg.checkpoint.every)
 
 
-def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
+def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None,
+          prepared: Prepared | None = None) -> dict:
     """Run the whole job; returns the final loop state's counters and the last metrics.
 
     resume: continue from the newest committed checkpoint under `checkpoint.dir` (trainer and controller
-    state, in-flight work included); SIGTERM to this process saves a checkpoint and stops cleanly."""
+    state, in-flight work included); resume_step: from that committed step instead. `prepared`: what
+    `prepare` returned (it runs here when not given). SIGTERM or Ctrl-C to this process saves a checkpoint
+    and stops cleanly: the result's "stopped" holds the signal's number (else None)."""
     _local_ray_auth(cfg)
+    prepared = prepared or prepare(cfg, resume=resume, resume_step=resume_step)
     import ray
 
     from moerl.actors.checkpointer import Checkpointer
@@ -190,34 +270,40 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
     from moerl.runlog.run_log import RunLog
 
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    task = load_task(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
-    arch = model_architecture(cfg, task)
+    task, arch = prepared.task, prepared.arch
     plan = eval_plan(cfg, task)
     worker_spec, trainer_spec = _specs(cfg, arch, task)
     checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
                                 dtype=cfg.model.dtype, timeout_s=cfg.checkpoint.timeout_s,
                                 max_failures=cfg.checkpoint.max_failures,
                                 serving_files=serving_files(cfg.model.path, getattr(task.tokenizer, "directory", None)))
-    checkpointer.store.probe()  # before Ray starts: a run that cannot save finds out now, not at its first save
-    if resume and checkpointer.latest() is None:
-        raise FileNotFoundError(f"--resume: no committed checkpoint under {cfg.checkpoint_dir()!r}")
-    started_ray = _init_ray(cfg)
+    resuming = prepared.resume_step is not None
     if cfg.run.deterministic:
         cfg.train.mode = "sync"  # deterministic = sync, fixed seeds, batches in task order (docs/checkpoints.md)
-    stop = threading.Event()
-    previous_handler = None
-    if threading.current_thread() is threading.main_thread():
-        previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    log = RunLog(run_dir, resume=resume)
-    progress = Progress(cfg.train.steps)
+    signals = StopSignals().install()  # before Ray starts: a Ctrl-C while it starts is a graceful stop too
+    stop = signals.event
+    ours = not ray.is_initialized()  # Ray is started (or joined) here, so shut down here, however the run ends
+    log = progress = None
     t_start = time.monotonic()
     last: dict = {}
+
+    def result(step: int, **extra) -> dict:
+        return {"step": step, "steps": cfg.train.steps, "stopped": signals.signum if stop.is_set() else None,
+                "checkpoint_step": checkpointer.latest(), "metrics": dict(last), **extra}
+
+    def log_sft(step: int, metrics: dict) -> None:
+        log.log_step(-cfg.train.sft_steps + step, _scalars(metrics, "sft/"))
+
     try:
+        _init_ray(cfg)
+        log = RunLog(run_dir, resume=resuming)
+        progress = Progress(cfg.train.steps)
         trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
-        restored = checkpointer.restore(trainer) if resume else None
-        if restored is None:
-            warm_start(trainer, task, cfg, lambda s, m: log.log_step(-cfg.train.sft_steps + s, _scalars(m, "sft/")))
+        restored = (checkpointer.restore(trainer, step=prepared.resume_step, verified=True) if resuming else None)
+        if restored is None and not warm_start(trainer, task, cfg, log_sft, stop.is_set):
+            return result(0, nothing_trained=True)  # stopped in the warm start: no RL step to save
+        if stop.is_set():  # stopped while Ray and the trainer started: nothing new to save
+            return result(restored[0], nothing_trained=False) if restored else result(0, nothing_trained=True)
         queue = WorkQueue(lease_timeout=cfg.rollout.lease_timeout_s, max_attempts=cfg.rollout.max_attempts)
         workers = RayRolloutPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
                                  cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s,
@@ -263,19 +349,20 @@ def train(cfg: MoerlConfig, *, resume: bool = False) -> dict:
                                           if latest is not None else "no checkpoint was committed (checkpoint.every "
                                           "is 0 or was not reached), so a new run starts from step 0")) from None
         last["elapsed_s"] = time.monotonic() - t_start
-        return {"counters": dict(state.counters), "step": state.step, "stopped": stop.is_set(),
-                "metrics": dict(last), "queue": queue.stats(), "failed_tasks": [t.task_id for t in queue.failed],
-                "weights": dict(weights.stats)}
+        return result(state.step, counters=dict(state.counters), queue=queue.stats(),
+                      failed_tasks=[t.task_id for t in queue.failed], weights=dict(weights.stats))
     finally:  # each step runs even when one before it fails (a failing log.close() used to skip ray.shutdown())
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
-        for what, close in (("progress", progress.close), ("run log", log.close), ("plots", lambda: write_plots(run_dir))):
+        closers = [("progress", progress.close if progress else None), ("run log", log.close if log else None),
+                   ("plots", (lambda: write_plots(run_dir)) if log else None)]
+        for what, close in closers:
             try:
-                close()
+                if close is not None:
+                    close()
             except Exception as e:  # noqa: BLE001 - the run's outcome (or its exception) is what matters here
                 print(f"warning: {what} not closed cleanly: {type(e).__name__}: {e}")
-        if started_ray:
+        if ours and ray.is_initialized():
             ray.shutdown()
+        signals.restore()
 
 
 def _scalars(metrics: dict, prefix: str = "") -> dict:
@@ -283,29 +370,82 @@ def _scalars(metrics: dict, prefix: str = "") -> dict:
 
 
 def main(argv: list[str]) -> int:
+    """`moerl train`: exit 0 when the run finished; 1 when it failed; 2 when the config or an input is wrong
+    (found before anything started); 128 + the signal (143 SIGTERM, 130 Ctrl-C) when stopped: saved, resumable."""
+    from moerl.cli import parse_train_args
     from moerl.config import ConfigError, load_config
 
-    if not argv or argv[0].startswith("-"):
-        print("usage: moerl train CONFIG.toml [--resume] [--section.key=value ...]")
-        return 2
-    resume = "--resume" in argv
-    argv = [a for a in argv if a != "--resume"]
+    args = parse_train_args(argv)
     try:
-        cfg = load_config(argv[0], argv[1:])
+        cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    debug = cfg.run.log_level == "debug"
+    resume = args.resume or args.resume_step is not None
+    again = shlex.join(["moerl", "train", args.config, *args.overrides])  # the same command, without --resume
+    try:
+        prepared = prepare(cfg, resume=resume, resume_step=args.resume_step)
+    except KeyboardInterrupt:
+        print("interrupted before the run started: nothing was trained", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every input problem is one line; the traceback with log_level=debug
+        _error(e, debug)
         return 2
     from moerl.actors.pools import TrainerLost
-    from moerl.model.config import CheckpointError
 
     try:
-        result = train(cfg, resume=resume)
-    except (TrainerLost, CheckpointError) as e:
-        print(f"error: {e}" + (f" (moerl train {' '.join(argv)} --resume)" if "--resume" in str(e) else ""))
+        result = train(cfg, resume=resume, prepared=prepared)
+    except KeyboardInterrupt:  # a second Ctrl-C
+        print(f"aborted at step {preflight.last_logged_step(Path(cfg.run.dir))} of {cfg.train.steps} without "
+              f"saving{_resume_hint(cfg, again)}", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        _error(e, debug, Path(cfg.run.dir), f" ({again} --resume)" if isinstance(e, TrainerLost) and
+               "--resume" in str(e) else "")
         return 1
+    if result["stopped"] is not None:
+        print(_stopped_line(result, again))
+        return 128 + result["stopped"]
     m = result["metrics"]
     print(f"done: {cfg.train.steps} steps in {m.get('elapsed_s', 0):.0f}s, final reward/mean "
           f"{m.get('reward/mean', float('nan')):.3f}; outputs in {cfg.run.dir}")
     print(f"counters: {result['counters']}")
     return 0
 
+
+def _stopped_line(result: dict, again: str) -> str:
+    step, steps, saved = result["step"], result["steps"], result["checkpoint_step"]
+    if result.get("nothing_trained"):
+        return f"stopped before step 1 of {steps}: nothing to resume; start again with: {again}"
+    if saved == step:
+        return f"stopped at step {step} of {steps}; resume with: {again} --resume"
+    if saved is not None:
+        return (f"stopped at step {step} of {steps}; its checkpoint was not saved (see the warning above): "
+                f"the newest is step {saved}; resume from it with: {again} --resume")
+    return f"stopped at step {step} of {steps}; no checkpoint was saved (see the warnings above)"
+
+
+def _resume_hint(cfg: MoerlConfig, again: str) -> str:
+    from moerl.checkpoint import CheckpointStore
+
+    try:
+        saved = CheckpointStore(cfg.checkpoint_dir()).latest_step()
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    return f"; the newest checkpoint is step {saved}: resume with: {again} --resume" if saved is not None else ""
+
+
+def _error(e: BaseException, debug: bool, run_dir: Path | None = None, suffix: str = "") -> None:
+    """`error: <one line>` on stderr; the traceback too with run.log_level = debug, else (for a run that had
+    started) in <run.dir>/error.log."""
+    text = traceback.format_exc()
+    if debug:
+        print(text, file=sys.stderr, end="")
+    elif run_dir is not None and run_dir.is_dir():
+        try:
+            (run_dir / "error.log").write_text(text)
+            suffix += f" (traceback in {run_dir / 'error.log'})"
+        except OSError:
+            pass
+    print(f"error: {one_line(e)}{suffix}", file=sys.stderr)

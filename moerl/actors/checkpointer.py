@@ -99,11 +99,14 @@ class Checkpointer:
     def latest(self) -> int | None:
         return self.store.latest_step()
 
-    def restore(self, trainer: RayTrainerGroup) -> tuple[int, dict]:
-        step = self.store.latest_step()
+    def restore(self, trainer: RayTrainerGroup, step: int | None = None, verified: bool = False) -> tuple[int, dict]:
+        """Load committed `step` (default: the newest) into every trainer rank; returns it and the controller's
+        state. verified: the step was verified already (moerl/preflight.py's check_resume reads it in full)."""
+        step = self.store.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"--resume: no committed checkpoint under {self.store.root!r}")
-        self.store.verify(step)  # sizes and checksums: a corrupted file stops the resume, named
+        if not verified:
+            self.store.verify(step)  # sizes and checksums: a corrupted file stops the resume, named
         saved = self.store.read_manifest(step).get("fingerprint", {})
         mismatched = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if saved.get(k) != v}
         if mismatched:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -69,24 +70,26 @@ class CheckpointStore:
 
     def probe(self, timeout_s: float = 60.0) -> None:
         """Write and delete a small object under the root, within `timeout_s`: a run finds out that it cannot
-        save before it trains, not at its first checkpoint. Raises CheckpointError naming the root and cause."""
+        save before it trains, not at its first checkpoint. Raises CheckpointError naming the root and the
+        cause in one line (never a credential: values of the environment's secret-looking variables are
+        masked). On S3 a missing bucket is an error, not created (s3fs's makedirs would create it)."""
         name = self._p(f".moerl-probe-{uuid.uuid4().hex}")
 
         def write_and_delete() -> None:
-            self._fs.makedirs(self._path, exist_ok=True)
-            with self._fs.open(name, "wb") as f:
-                f.write(b"moerl write probe\n")
+            if self._local:
+                self._fs.makedirs(self._path, exist_ok=True)
+            self._fs.pipe_file(name, b"moerl write probe\n")  # a PUT: s3fs's open() would create a missing bucket
             self._fs.rm(name)
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="moerl-probe")
         try:
             pool.submit(write_and_delete).result(timeout=timeout_s)
         except TimeoutError:
-            raise CheckpointError(f"checkpoint.dir {self.root!r}: a test write did not finish within {timeout_s:.0f} s "
-                                  "(unreachable endpoint?)") from None
+            raise CheckpointError(f"checkpoint.dir {_shown(self.root)!r}: a test write did not finish within "
+                                  f"{timeout_s:.0f} s (unreachable endpoint?)") from None
         except Exception as e:  # noqa: BLE001 - credentials, permissions, a missing bucket: named, not dumped
-            cause = next((line for line in str(e).splitlines() if line.strip()), "")
-            raise CheckpointError(f"checkpoint.dir {self.root!r} is not writable: {type(e).__name__}: {cause}") from None
+            raise CheckpointError(f"checkpoint.dir {_shown(self.root)!r} is not writable: "
+                                  f"{_redact(_probe_cause(e, self._local))}") from None
         finally:
             pool.shutdown(wait=False)
 
@@ -193,6 +196,10 @@ class CheckpointStore:
         except CheckpointError:
             return False
 
+    def step_dirs(self) -> list[int]:
+        """The steps that have a directory, committed or not (an upload cut short, a torn checkpoint)."""
+        return self._step_dirs()
+
     def committed_steps(self) -> list[int]:
         return [s for s in self._step_dirs() if self._is_committed(s)]
 
@@ -284,6 +291,41 @@ class CheckpointStore:
         if self._fs.exists(base):
             self._fs.rm(base, recursive=True)
         self._fs.invalidate_cache()
+
+
+def _probe_cause(e: BaseException, local: bool) -> str:
+    """One line: the exception's type and first line, and for the usual S3 faults what to check."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    cause = f"{type(e).__name__}: {lines[0] if lines else repr(e)}"
+    if local:
+        return cause
+    kind = type(e).__name__
+    if kind in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        return cause + (" (no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
+                        "or run with an instance or IRSA role)")
+    if "Endpoint" in kind or "Connect" in kind:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS's default"
+        return cause + f" (cannot reach the S3 endpoint: {endpoint}; AWS_ENDPOINT_URL sets another)"
+    if isinstance(e, FileNotFoundError):
+        return cause + " (check the bucket's name; these credentials may not see it)"
+    if isinstance(e, PermissionError):
+        return cause + " (access denied: the credentials may not write under this prefix)"
+    return cause
+
+
+def _shown(root: str) -> str:
+    """The root as messages show it: credentials written into the URL (scheme://key:secret@...) masked."""
+    return re.sub(r"^([a-z0-9+.-]+://)[^/@]*@", r"\1***@", root)
+
+
+def _redact(message: str) -> str:
+    """`message` with the value of every secret-looking environment variable (AWS_SECRET_ACCESS_KEY,
+    AWS_SESSION_TOKEN, AWS_ACCESS_KEY_ID, ...) replaced by ***."""
+    for name, value in os.environ.items():
+        upper = name.upper()
+        if len(value) >= 4 and any(w in upper for w in ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY", "CREDENTIAL")):
+            message = message.replace(value, "***")
+    return message
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -9,6 +9,10 @@ quoting in the way); `--config PATH` reads a file instead. A rollout pod that ge
 forwards it to its `ray::RolloutWorker` processes first, so they hand back their work, and stops Ray once
 they have exited or `--grace-s` less 20 s has passed. A rollout pod waits up to `--wait-s` for the Ray
 head (at start and whenever the head goes away) and exits 0 when none comes: the trainer job is over.
+
+Exit status of a trainer pod: `moerl train`'s (0 finished, 1 failed, 2 bad input, 143 stopped by SIGTERM after
+its shutdown save); a rank > 0 exits 143 when stopped by SIGTERM and 1 when its Ray head went away, so a drained
+trainer job is never marked succeeded.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 CONFIG_ENV = "MOERL_CONFIG_B64"
+STOPPED_BY_SIGTERM = 128 + signal.SIGTERM  # 143: the exit status of a trainer pod stopped by SIGTERM
 
 
 def encode_config(toml_text: str) -> str:
@@ -210,7 +215,9 @@ def cmd_trainer(a: argparse.Namespace) -> int:
             if how == "exited" and node.failed_to_start() and time.monotonic() < deadline and not stop.is_set():
                 _log(f"`ray start` failed (exit {node.proc.returncode}); joining {host}:{port} again")
                 continue  # it never joined: nothing of the trainer job ran here yet
-            return 0 if how == "stopped" else 1  # head lost or Ray died: the trainer job restarts as a whole
+            # stopped by SIGTERM: 143, as rank 0's `moerl train` exits after its shutdown save; head lost or Ray
+            # died: 1. Either way not 0: a stopped or failed trainer job is never marked succeeded.
+            return STOPPED_BY_SIGTERM if how == "stopped" else 1
     import ray
 
     config, address = config_path(a.config), f"{ray.util.get_node_ip_address()}:{a.port}"
@@ -223,9 +230,12 @@ def cmd_trainer(a: argparse.Namespace) -> int:
         if not head.alive() or time.monotonic() > deadline:
             raise SystemExit(f"error: the Ray head did not start at {address}")
         _wait_for_nodes(address, a.nodes, a.wait_s)
+        if stop.is_set():  # SIGTERM while the nodes gathered: nothing trained, nothing to save
+            _log("SIGTERM before the run started")
+            return STOPPED_BY_SIGTERM
         from moerl.run import main as train_main
 
-        return train_main([config, f"--ray.address={address}", *a.overrides])
+        return train_main([config, f"--ray.address={address}", *a.overrides])  # its exit status, 143 on SIGTERM
     finally:
         head.stop()
 

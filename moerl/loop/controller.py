@@ -276,6 +276,7 @@ class Controller:
         self.queue.load_state_dict(d["queue"])
         # Sync mode leases one batch per version; groups leased but never finished are back in the queue.
         self.state.leased_total = min(self.state.leased_total, self.state.next_prompt_index)
+        self._saved_step = self.state.step  # this state is a checkpoint: a stop before the next step saves nothing
 
     def save_checkpoint(self) -> None:
         with self.clock.during("checkpoint"):

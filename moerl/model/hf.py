@@ -17,6 +17,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moerl.ep import make_dispatcher
 from moerl.model.build import build_model
 from moerl.model.config import CheckpointError, MoEModelConfig
 from moerl.model.transformer import MoECausalLM
@@ -122,24 +123,8 @@ def load_pretrained(
     )
     key_to_file = _key_to_file(path)
     state = model.state_dict()
-    expected = {k for k in state if not k.endswith("expert_bias")}
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    # Prefixes (`model.layers.{i}.mlp.experts`) stored per expert on disk; the others are fused on disk.
-    per_expert = {m.group(1) for k in key_to_file if (m := _EXPERT_KEY.match(k))}
-    provided, unexpected_expert_keys = set(), []
-    for key in key_to_file:
-        m = _EXPERT_KEY.match(key)
-        if m and int(m.group(2)) >= config.num_experts:  # an expert id past num_experts in config.json
-            unexpected_expert_keys.append(key)
-            continue
-        provided.add(f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}" if m else key)
-    if config.tie_word_embeddings:
-        provided.discard("lm_head.weight")
-    missing, unexpected = sorted(expected - provided), sorted(provided - expected) + sorted(unexpected_expert_keys)
-    if missing or unexpected:
-        parts = [f"missing keys: {_describe(missing)}" if missing else "", f"unexpected keys: {_describe(unexpected)}" if unexpected else ""]
-        raise CheckpointError(f"{path}: checkpoint does not match the qwen3_moe architecture in its config.json; " + "; ".join(p for p in parts if p))
+    expected = _expected_keys(state, config)
+    per_expert = _match_keys(path, config, expected, key_to_file)
     handles = {f: _open(f) for f in set(key_to_file.values())}
     with torch.no_grad():
         for name, param in state.items():
@@ -156,6 +141,69 @@ def load_pretrained(
             param.copy_(tensor.to(param.dtype))
     model.tie_weights()
     return model
+
+
+def _expected_keys(state: dict[str, torch.Tensor], config: MoEModelConfig) -> set[str]:
+    """The tensors a checkpoint must provide (the expert bias is moerl's own; a tied lm_head is the embedding)."""
+    expected = {k for k in state if not k.endswith("expert_bias")}
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    return expected
+
+
+def _match_keys(path: Path, config: MoEModelConfig, expected: set[str], disk_keys) -> set[str]:
+    """Raise CheckpointError naming missing and unexpected tensors; returns the expert prefixes stored per
+    expert on disk (`model.layers.{i}.mlp.experts`), the others being fused on disk."""
+    per_expert = {m.group(1) for k in disk_keys if (m := _EXPERT_KEY.match(k))}
+    provided, unexpected_expert_keys = set(), []
+    for key in disk_keys:
+        m = _EXPERT_KEY.match(key)
+        if m and int(m.group(2)) >= config.num_experts:  # an expert id past num_experts in config.json
+            unexpected_expert_keys.append(key)
+            continue
+        provided.add(f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}" if m else key)
+    if config.tie_word_embeddings:
+        provided.discard("lm_head.weight")
+    missing, unexpected = sorted(expected - provided), sorted(provided - expected) + sorted(unexpected_expert_keys)
+    if missing or unexpected:
+        parts = [f"missing keys: {_describe(missing)}" if missing else "",
+                 f"unexpected keys: {_describe(unexpected)}" if unexpected else ""]
+        raise CheckpointError(f"{path}: checkpoint does not match the qwen3_moe architecture in its config.json; "
+                              + "; ".join(p for p in parts if p))
+    return per_expert
+
+
+def check_pretrained(path: str | Path) -> MoEModelConfig:
+    """What `load_pretrained` checks, without reading a tensor: config.json, the index, every safetensors
+    header (and that each file is as long as its header says), and every tensor's name and shape against
+    config.json's architecture (a model built on the meta device: no memory). Returns the architecture."""
+    path = Path(path)
+    config = read_config(path)
+    with torch.device("meta"):
+        model = MoECausalLM(config, dispatcher=make_dispatcher("local", config.num_experts))
+    state = model.state_dict()
+    key_to_file = _key_to_file(path)
+    _match_keys(path, config, _expected_keys(state, config), key_to_file)
+    shapes = {}
+    for f in sorted(set(key_to_file.values())):
+        with _open(f) as handle:
+            shapes.update((k, list(handle.get_slice(k).get_shape())) for k, v in key_to_file.items() if v == f)
+    D, I = config.hidden_size, config.moe_intermediate_size
+    order = {name: i for i, name in enumerate(state)}
+
+    def load_order(key: str) -> tuple[int, int, int]:  # load_pretrained's: the first bad tensor is the same one
+        m = _EXPERT_KEY.match(key)
+        if not m:
+            return order[key], 0, 0
+        fused = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}"
+        return order[fused], int(m.group(2)), ("gate_proj", "up_proj", "down_proj").index(m.group(3))
+
+    for key in sorted(shapes, key=load_order):
+        m = _EXPERT_KEY.match(key)
+        want = ([D, I] if m.group(3) == "down_proj" else [I, D]) if m else list(state[key].shape)
+        if shapes[key] != want:
+            raise CheckpointError(f"{path}: tensor {key!r} has shape {shapes[key]}, the config.json implies {want}")
+    return config
 
 
 def _read_experts(

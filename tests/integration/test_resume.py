@@ -31,14 +31,14 @@ def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+def _finish(proc: subprocess.Popen, timeout: float = 240, code: int = 0) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"moerl train did not finish in {timeout}s:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
     return out
 
 
@@ -94,11 +94,13 @@ def test_sigterm_saves_and_resume_loses_nothing(tmp_path):
     proc = _start(run_dir, "--train.steps=8", "--checkpoint.every=100")  # only the shutdown checkpoint
     _wait_for_step(run_dir, 2, proc)
     os.kill(proc.pid, signal.SIGTERM)  # the driver only, as an orchestrator stopping the job would
-    out = _finish(proc)
-    assert "done:" in out
+    out = _finish(proc, code=143)  # 128 + SIGTERM: a stopped job is not marked succeeded
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("-")[1])
     assert 2 <= stopped_at < 8
+    line = next((x for x in out.splitlines() if x.startswith("stopped at step")), out[-2000:])
+    assert line.startswith(f"stopped at step {stopped_at} of 8; resume with: moerl train configs/demo.toml "), line
+    assert line.endswith(" --resume"), line
     _finish(_start(run_dir, "--train.steps=8", "--checkpoint.every=100", "--resume"))
     rows = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     keys = [(r["task_id"], r["sample_index"]) for r in rows]

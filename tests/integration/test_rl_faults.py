@@ -712,7 +712,8 @@ def test_trainer_death_names_the_rank_and_how_to_resume(tmp_path, ray_env, capsy
     striker.start()
     code = main([str(DEMO), *overrides])
     striker.join(timeout=10)
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out + captured.err  # the error line is on stderr
     assert killed and code == 1, out
-    line = [x for x in out.splitlines() if x.startswith("error:")][-1]
+    line = [x for x in captured.err.splitlines() if x.startswith("error:")][-1]
     assert "trainer rank 0 died" in line and "newest committed checkpoint is step" in line and "--resume" in line, line

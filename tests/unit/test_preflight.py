@@ -1,21 +1,54 @@
-"""The commands' first answers (issue 18 items 4, 13): the config's refusals, `moerl config`'s check of the task's
-options, `moerl export`'s refusal of a non-empty directory, and `--help` without torch or Ray."""
+"""Fail fast, lose nothing, exit honestly (issue 18 items 1-4, 13): what `moerl train` checks before Ray starts
+(each failure one `error:` line, exit 2, nothing overwritten, no Ray), the config's refusals, the exit status of a
+stopped run, `moerl export`'s refusal of a non-empty directory, and `--help` without torch or Ray."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from moerl import preflight
+from moerl.checkpoint import CheckpointStore
 from moerl.cli import main as cli
 from moerl.config import ConfigError, load_config
+from moerl.model import CheckpointError, MoEModelConfig, build_model, load_pretrained, save_pretrained
+from moerl.model.hf import check_pretrained
+from moerl.preflight import PreflightError
+from moerl.tasks import TaskError
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.toml")
+ARCH = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
 
+def train(argv: list[str], capsys) -> tuple[int, list[str], str]:
+    """`moerl train DEMO argv...` in this process: (exit status, stderr lines, stdout)."""
+    from moerl.run import main
+
+    code = main([DEMO, *argv])
+    out = capsys.readouterr()
+    return code, out.err.splitlines(), out.out
+
+
+def no_ray_started() -> bool:
+    return "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    save_pretrained(build_model(MoEModelConfig(**ARCH), seed=0), path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ --help
 def test_every_help_answers_without_torch_or_ray() -> None:
     """`moerl train --help` lists the config sections; no subcommand's --help imports torch or Ray (what makes
     them answer in well under a second)."""
@@ -49,6 +82,7 @@ def test_train_arguments_are_checked_before_anything_loads(capsys) -> None:
     assert e.value.code == 2 and "config overrides are --section.key=value" in capsys.readouterr().err
 
 
+# ------------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize("override, key", [
     ("--train.steps=0", "train.steps"), ("--train.optim.lr=0", "train.optim.lr"),
     ("--train.optim.lr=-1e-4", "train.optim.lr"), ("--rollout.group_size=1", "rollout.group_size"),
@@ -70,6 +104,241 @@ def test_moerl_config_checks_task_options_against_the_tasks_option_class(capsys)
     assert "max_operand = 5" in capsys.readouterr().out
 
 
+# ------------------------------------------------------------------------------------------ model
+def _break(path: Path, how: str) -> None:
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    if how == "truncated":
+        file.write_bytes(data[:-100])
+    elif how == "header":
+        file.write_bytes(data[:8] + b"garbage" + data[15:])
+    elif how == "empty":
+        file.write_bytes(b"")
+    elif how == "model_type":
+        (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()),
+                                                      "model_type": "llama"}))
+    elif how == "shape":
+        (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()),
+                                                      "moe_intermediate_size": 24}))
+    elif how == "no_config":
+        (path / "config.json").unlink()
+
+
+@pytest.mark.parametrize("how, needle", [
+    ("truncated", "not a readable safetensors file"), ("header", "invalid JSON in header"),
+    ("empty", "header too small"), ("model_type", "model_type 'llama' is not supported"),
+    ("shape", "has shape [16, 32], the config.json implies [24, 32]"), ("no_config", "no config.json"),
+])
+def test_model_dir_is_checked_from_headers_as_load_pretrained_would(model_dir, tmp_path, how, needle) -> None:
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(model_dir, path)
+    _break(path, how)
+    with pytest.raises(CheckpointError) as loaded:
+        load_pretrained(path)
+    with pytest.raises(CheckpointError) as checked:
+        check_pretrained(path)
+    assert needle in str(checked.value) and str(checked.value) == str(loaded.value)
+    with pytest.raises(PreflightError, match=r"^model\.path: "):
+        preflight.check_model(str(path))
+
+
+def test_good_model_dir_passes_and_its_tokenizer_must_fit(model_dir) -> None:
+    arch = preflight.check_model(str(model_dir))
+    assert arch.vocab_size == 300
+
+    class Tok:
+        vocab_size, eos_token_id = 400, 2
+
+    class Task:
+        tokenizer = Tok()
+
+    with pytest.raises(PreflightError, match="tokenizer has 400 ids .* vocabulary has 300"):
+        preflight.check_tokenizer(Task(), arch)
+
+
+def test_missing_model_dir_is_one_line_exit_2_before_ray(tmp_path, capsys) -> None:
+    code, err, _ = train([f"--run.dir={tmp_path / 'run'}", f"--model.path={tmp_path / 'nope'}"], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: model.path '{tmp_path / 'nope'}' does not exist")
+    assert no_ray_started() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------ task
+def test_task_problems_are_named(tmp_path) -> None:
+    def cfg(*extra: str):
+        return load_config(None, [f"--run.dir={tmp_path}", *extra])
+
+    jsonl = "--task.name=moerl.tasks.jsonl:JsonlTask"
+    with pytest.raises(TaskError, match="cannot load task 'no_such_module:Task'"):
+        preflight.check_task(cfg("--task.name=no_such_module:Task"))
+    with pytest.raises(TaskError, match="not found"):
+        preflight.check_task(cfg(jsonl, f"--task.options.path={tmp_path / 'none.jsonl'}", "--train.sft_steps=0"))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+    with pytest.raises(TaskError, match=r"bad\.jsonl:2: invalid JSON"):
+        preflight.check_task(cfg(jsonl, f"--task.options.path={tmp_path / 'bad.jsonl'}"))
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(TaskError, match="tokenizer directory .* not found"):
+        preflight.check_task(cfg(jsonl, f"--task.options.path={tmp_path / 'ok.jsonl'}",
+                                 f"--task.options.tokenizer={tmp_path / 'no-tokenizer'}"))
+    assert preflight.check_task(cfg(jsonl, f"--task.options.path={tmp_path / 'ok.jsonl'}")).prompt_at(0)
+
+
+# ------------------------------------------------------------------------------------------ run.dir
+def test_a_run_is_never_overwritten(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": -1, "time": 0.1}\n')  # a warm start only: nothing to lose
+    preflight.check_no_run(run, CheckpointStore(str(run / "checkpoints")))
+    rows = '{"step": -1, "time": 0.1}\n{"step": 1, "time": 1.0}\n{"step": 2, "time": 2.0}\n'
+    (run / "metrics.jsonl").write_text(rows)
+    code, err, _ = train([f"--run.dir={run}"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"error: run.dir '{run}' holds a run (metrics.jsonl up to step 2) and a run is never "
+                      "overwritten: it has no checkpoint to resume from, or start a new one with "
+                      "--run.dir=<another directory> (or delete that one)")
+    store = CheckpointStore(str(run / "checkpoints"))
+    store.write_bytes(2, "controller.pt", b"x")
+    store.commit(2)
+    code, err, _ = train([f"--run.dir={run}"], capsys)
+    assert code == 2 and "continue it with --resume" in err[0] and "up to step 2" in err[0]
+    assert (run / "metrics.jsonl").read_text() == rows and no_ray_started()
+
+
+def test_run_dir_and_checkpoint_dir_must_be_writable(tmp_path, capsys) -> None:
+    (tmp_path / "a-file").write_text("")
+    code, err, _ = train([f"--run.dir={tmp_path / 'a-file' / 'run'}"], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: run.dir '{tmp_path / 'a-file' / 'run'}' "
+                                                             "is not writable: NotADirectoryError")
+    code, err, _ = train([f"--run.dir={tmp_path / 'run'}", f"--checkpoint.dir={tmp_path / 'a-file' / 'ck'}"], capsys)
+    assert code == 2 and len(err) == 1 and "checkpoint.dir" in err[0] and "is not writable" in err[0]
+
+
+def test_s3_without_credentials_is_one_line_and_never_prints_a_secret(monkeypatch) -> None:
+    pytest.importorskip("s3fs")
+    for var in [v for v in os.environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup: offline and fast
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    with pytest.raises(CheckpointError) as e:
+        CheckpointStore("s3://moerl-no-bucket/run").probe()
+    assert str(e.value).startswith("checkpoint.dir 's3://moerl-no-bucket/run' is not writable: NoCredentialsError")
+    assert "no AWS credentials" in str(e.value) and "\n" not in str(e.value)
+    from moerl.checkpoint.storage import _redact, _shown
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-MUST-NOT-LEAK")
+    assert "s3cr3t" not in _redact("SignatureDoesNotMatch for s3cr3t-MUST-NOT-LEAK")
+    assert _shown("s3://AKIA:s3cr3t@bucket/run") == "s3://***@bucket/run"
+
+
+# ------------------------------------------------------------------------------------------ resume
+def _committed(store: CheckpointStore, step: int, fingerprint: dict | None = None) -> None:
+    store.write_bytes(step, "controller.pt", b"state %d" % step)
+    store.commit(step, {"fingerprint": fingerprint or {}})
+
+
+def test_resume_without_a_checkpoint_says_why(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path / "ck"))
+    with pytest.raises(PreflightError) as e:
+        preflight.check_resume(store, {}, every=0)
+    assert str(e.value) == (f"--resume: no committed checkpoint under {store.root}; checkpoint.every is 0, so a run "
+                            "saves only when it is stopped (SIGTERM or Ctrl-C): start without --resume")
+
+
+def test_torn_checkpoint_offers_the_newest_intact_step(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path / "ck"))
+    for step in (1, 2, 3):
+        _committed(store, step, {"task": "t"})
+    assert preflight.check_resume(store, {"task": "t"}, every=1) == 3
+    (tmp_path / "ck" / "step-00000003" / "controller.pt").write_bytes(b"torn")
+    (tmp_path / "ck" / "step-00000002" / "controller.pt").write_bytes(b"state 9")  # same size, other bytes
+    with pytest.raises(PreflightError) as e:
+        preflight.check_resume(store, {"task": "t"}, every=1)
+    assert str(e.value).startswith("--resume: checkpoint step 3 is torn (") and "controller.pt" in str(e.value)
+    assert str(e.value).endswith("the newest intact step is 1: resume from it with --resume-step=1")
+    assert preflight.check_resume(store, {"task": "t"}, every=1, step=1) == 1
+    with pytest.raises(PreflightError, match=r"--resume-step 7: no committed checkpoint of that step .*1, 2, 3"):
+        preflight.check_resume(store, {"task": "t"}, every=1, step=7)
+    with pytest.raises(PreflightError, match=r"another configuration: task: checkpoint 't' vs config 'u'"):
+        preflight.check_resume(store, {"task": "u"}, every=1, step=1)
+
+
+# ------------------------------------------------------------------------------------------ exits
+def test_sigterm_and_ctrl_c_ask_for_a_stop_and_a_second_ctrl_c_aborts() -> None:
+    from moerl.run import StopSignals
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    for first in (signal.SIGTERM, signal.SIGINT):
+        signals = StopSignals().install()
+        try:
+            os.kill(os.getpid(), first)
+            assert signals.event.wait(2) and signals.signum == first
+            os.kill(os.getpid(), signal.SIGTERM)  # more SIGTERMs: still the one graceful stop
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                signals.event.wait(2)  # the handler raises here, in the main thread
+            assert signals.signum == first
+        finally:
+            signals.restore()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_stopped_run_exits_128_plus_the_signal_and_says_how_to_resume(tmp_path, capsys, monkeypatch) -> None:
+    from moerl import run
+
+    results = {"stopped": int(signal.SIGTERM), "step": 54, "steps": 400, "checkpoint_step": 54, "metrics": {}}
+    monkeypatch.setattr(run, "train", lambda cfg, **kw: dict(results))
+    argv = [f"--run.dir={tmp_path}", "--train.steps=400"]
+    code, _, out = train(argv, capsys)
+    assert code == 143
+    assert out.strip() == f"stopped at step 54 of 400; resume with: moerl train {DEMO} {' '.join(argv)} --resume"
+    results.update(stopped=int(signal.SIGINT), checkpoint_step=50)
+    code, _, out = train(argv, capsys)
+    assert code == 130 and "its checkpoint was not saved" in out and "the newest is step 50" in out
+    results.update(step=0, checkpoint_step=None, nothing_trained=True)
+    code, _, out = train(argv, capsys)
+    assert code == 130 and out.startswith("stopped before step 1 of 400: nothing to resume; start again with: ")
+
+    def abort(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "train", abort)
+    code, err, out = train(argv, capsys)
+    assert code == 130 and err[-1].startswith("aborted at step 0 of 400 without saving") and "Traceback" not in out
+
+
+def test_a_failed_run_is_one_line_with_the_traceback_in_the_run_dir(tmp_path, capsys, monkeypatch) -> None:
+    from moerl import run
+
+    def fail(cfg, **kw):
+        raise RuntimeError("\x1b[31mActorDiedError\x1b[0m: the actor died\n  long Ray detail")
+
+    monkeypatch.setattr(run, "train", fail)
+    code, err, _ = train([f"--run.dir={tmp_path}"], capsys)
+    assert code == 1 and err == [(f"error: RuntimeError: ActorDiedError: the actor died (traceback in "
+                                  f"{tmp_path / 'error.log'})")]
+    assert "Traceback" in (tmp_path / "error.log").read_text()
+    code, err, _ = train([f"--run.dir={tmp_path}", "--run.log_level=debug"], capsys)
+    assert code == 1 and err[0].startswith("Traceback") and err[-1].startswith("error: RuntimeError")
+
+
+def test_a_trainer_pod_stopped_by_sigterm_exits_143(monkeypatch) -> None:
+    from moerl.launch import node
+
+    monkeypatch.setattr(node, "wait_for_head", lambda *a, **k: True)
+    monkeypatch.setattr(node, "RayNode", lambda *a, **k: None)
+    monkeypatch.setattr(node, "run_node", lambda *a, **k: "stopped")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert node.main(["trainer", "--rank", "1", "--head", "127.0.0.1:1"]) == 143
+        monkeypatch.setattr(node, "run_node", lambda *a, **k: "head lost")
+        assert node.main(["trainer", "--rank", "1", "--head", "127.0.0.1:1"]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+# ------------------------------------------------------------------------------------------ export
 def test_export_refuses_a_non_empty_directory_unless_forced(tmp_path, capsys) -> None:
     out = tmp_path / "hf"
     out.mkdir()

@@ -1,0 +1,207 @@
+"""What `moerl train` checks before Ray starts: every input the run needs, each failure one line.
+
+    run.dir          writable
+    checkpoint.dir   a test write (S3: credentials, endpoint, bucket)
+    no run there     unless --resume, run.dir holds no logged step and checkpoint.dir no step: never overwritten
+    model.path       a directory; config.json of a supported model_type; safetensors whose headers are whole and
+                     whose tensors match config.json by name and shape (no tensor is read)
+    task             imports; its options fit its config_class; its data and tokenizer load; prompt 0 builds
+                     (and its SFT example when train.sft_steps > 0); the tokenizer's ids fit the model
+    --resume         a committed checkpoint that verifies (sizes and checksums), written with this config;
+                     a torn one names the newest intact step
+
+`run.prepare` calls these in that order; `run.main` prints a failure as `error: <message>` and exits 2 before
+anything has started. Errors the parts already raise (TaskError, CheckpointError) pass through; the new
+checks raise PreflightError. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moerl.checks import ConfigError
+
+if TYPE_CHECKING:
+    from moerl.checkpoint.storage import CheckpointStore
+    from moerl.config import MoerlConfig
+    from moerl.model.config import MoEModelConfig
+    from moerl.tasks.base import Task
+
+RUN_FILES = ("metrics.jsonl", "trajectories.jsonl")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class PreflightError(ValueError):
+    """An input that cannot work, found before the run starts; the message is the line printed."""
+
+
+def one_line(error: BaseException) -> str:
+    """The line `moerl train` prints for `error`: the first line of its text, colour codes stripped, with the
+    type's name in front unless it is one of ours (their messages are written to be read as they are)."""
+    from moerl.model.config import CheckpointError
+    from moerl.tasks.base import TaskError
+
+    lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
+    text = lines[0] if lines else repr(error)
+    if isinstance(error, (PreflightError, ConfigError, TaskError, CheckpointError)):
+        return text
+    return f"{type(error).__name__}: {text}"
+
+
+# ------------------------------------------------------------------------------------------ run.dir
+def check_run_dir(run_dir: Path) -> None:
+    """`run_dir` exists (made if need be) and takes a file."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".moerl-probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PreflightError(f"run.dir {str(run_dir)!r} is not writable: {type(e).__name__}: "
+                             f"{e.strerror or e}") from None
+
+
+def check_no_run(run_dir: Path, store: CheckpointStore) -> None:
+    """A new run (no --resume) starts where no run is: no logged RL step in `run_dir` and no checkpoint under
+    `store` (also a `checkpoint.dir` elsewhere, whose old steps a later --resume would pick up)."""
+    held = []
+    last = last_logged_step(run_dir)
+    if last:
+        held.append(f"metrics.jsonl up to step {last}")
+    steps = store.step_dirs()
+    if steps:
+        held.append(f"checkpoints under {store.root} up to step {steps[-1]}")
+    if held:
+        how = ("continue it with --resume" if steps else "it has no checkpoint to resume from")
+        raise PreflightError(f"run.dir {str(run_dir)!r} holds a run ({', '.join(held)}) and a run is never "
+                             f"overwritten: {how}, or start a new one with --run.dir=<another directory> "
+                             "(or delete that one)")
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The highest RL step (>= 1) in `run_dir`'s metrics.jsonl, 0 if none (warm-start rows are steps <= 0)."""
+    last = 0
+    try:
+        with open(run_dir / RUN_FILES[0], "rb") as f:
+            for line in f:
+                try:
+                    step = json.loads(line).get("step", 0)
+                except (ValueError, AttributeError):
+                    continue  # a line cut short by a crash
+                if isinstance(step, int) and step > last:
+                    last = step
+    except FileNotFoundError:
+        pass
+    if not last and (run_dir / RUN_FILES[1]).is_file() and (run_dir / RUN_FILES[1]).stat().st_size:
+        last = 1  # trained samples without a metrics row: a step was under way
+    return last
+
+
+# ------------------------------------------------------------------------------------------ model
+def check_model(path: str) -> MoEModelConfig:
+    """The architecture of the HF checkpoint at `path`, after `check_pretrained`'s header-only checks."""
+    from moerl.model.config import CheckpointError
+    from moerl.model.hf import check_pretrained
+
+    where = Path(path)
+    if not where.exists():
+        raise PreflightError(f"model.path {path!r} does not exist (a Hugging Face checkpoint directory: "
+                             "config.json and *.safetensors; empty = a random model of model.preset)")
+    if not where.is_dir():
+        raise PreflightError(f"model.path {path!r} is not a directory")
+    try:
+        return check_pretrained(where)
+    except CheckpointError as e:
+        raise PreflightError(f"model.path: {one_line(e)}") from e
+
+
+# ------------------------------------------------------------------------------------------ task
+def check_task(cfg: MoerlConfig) -> Task:
+    """The task built as the workers will build it, and its first prompt (and SFT example) made."""
+    from moerl.tasks.base import TaskError, load_task
+
+    name = cfg.task.name
+    try:
+        task = load_task(name, dict(cfg.task.options), seed=cfg.run.seed)
+    except TaskError:
+        raise
+    except Exception as e:  # the task's own constructor (data, tokenizer): named in one line
+        raise PreflightError(f"task {name!r} could not be built: {one_line(e)}") from e
+    try:
+        task.prompt_at(0)
+    except Exception as e:
+        raise PreflightError(f"task {name!r}: its first prompt fails: {one_line(e)}") from e
+    if cfg.train.sft_steps > 0:
+        if not hasattr(task, "sft_example"):
+            raise PreflightError(f"config key 'train.sft_steps' is {cfg.train.sft_steps} but task {name!r} has no "
+                                 "sft_example() for a warm start: set train.sft_steps = 0")
+        try:
+            task.sft_example(0)
+        except Exception as e:
+            raise PreflightError(f"task {name!r}: its first SFT example fails: {one_line(e)}") from e
+    return task
+
+
+def check_tokenizer(task: Task, arch: MoEModelConfig) -> None:
+    """Every id the tokenizer makes (EOS included) is a row of the model's embedding."""
+    tok = task.tokenizer
+    if tok.vocab_size > arch.vocab_size or tok.eos_token_id >= arch.vocab_size:
+        raise PreflightError(f"the task's tokenizer has {tok.vocab_size} ids (EOS {tok.eos_token_id}) but the model's "
+                             f"vocabulary has {arch.vocab_size}: its ids would index past the embedding; use the "
+                             "model's own tokenizer (task.options.tokenizer = the model directory)")
+
+
+# ------------------------------------------------------------------------------------------ resume
+def check_resume(store: CheckpointStore, fingerprint: dict[str, Any], *, every: int,
+                 step: int | None = None) -> int:
+    """The step to resume from: `step`, else the newest committed one; it must verify (sizes, checksums) and
+    have been written with this `fingerprint`. A torn one names the newest older step that verifies."""
+    from moerl.model.config import CheckpointError
+
+    committed = store.committed_steps()
+    if step is not None and step not in committed:
+        raise PreflightError(f"--resume-step {step}: no committed checkpoint of that step under {store.root} "
+                             f"(committed: {', '.join(map(str, committed)) or 'none'})")
+    if not committed:
+        uncommitted = store.step_dirs()
+        raise PreflightError(
+            f"--resume: no committed checkpoint under {store.root}"
+            + (f" (step {uncommitted[-1]} was never committed: its save did not finish)" if uncommitted else "")
+            + ("; checkpoint.every is 0, so a run saves only when it is stopped (SIGTERM or Ctrl-C)" if every == 0
+               else "") + ": start without --resume")
+    chosen = step if step is not None else store.latest_step()
+    assert chosen is not None
+    try:
+        manifest = store.verify(chosen)
+    except CheckpointError as e:
+        intact = next((s for s in reversed(committed) if s < chosen and _verifies(store, s)), None)
+        raise PreflightError(f"--resume: checkpoint step {chosen} is torn ({one_line(e)}); "
+                             + (f"the newest intact step is {intact}: resume from it with --resume-step={intact}"
+                                if intact is not None else "no older committed step is intact")) from e
+    saved = manifest.get("fingerprint", {})
+    mismatched = []
+    for key, ours in fingerprint.items():
+        theirs = saved.get(key)
+        if isinstance(ours, dict) and isinstance(theirs, dict):  # the architecture: only the fields that differ
+            mismatched += [f"{key}.{k}: checkpoint {theirs.get(k)!r} vs config {ours.get(k)!r}"
+                           for k in sorted(set(ours) | set(theirs)) if theirs.get(k) != ours.get(k)]
+        elif theirs != ours:
+            mismatched.append(f"{key}: checkpoint {theirs!r} vs config {ours!r}")
+    if mismatched:
+        raise PreflightError(f"--resume: checkpoint step {chosen} was written with another configuration: "
+                             + "; ".join(mismatched))
+    return chosen
+
+
+def _verifies(store: CheckpointStore, step: int) -> bool:
+    from moerl.model.config import CheckpointError
+
+    try:
+        store.verify(step)
+        return True
+    except CheckpointError:
+        return False
