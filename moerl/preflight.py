@@ -23,8 +23,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moerl.checks import ConfigError
-
 if TYPE_CHECKING:
     from moerl.checkpoint.storage import CheckpointStore
     from moerl.config import MoerlConfig
@@ -41,15 +39,10 @@ class PreflightError(ValueError):
 
 def one_line(error: BaseException) -> str:
     """The line `moerl train` prints for `error`: the first line of its text, colour codes stripped, with the
-    type's name in front unless it is one of ours (their messages are written to be read as they are)."""
-    from moerl.model.config import CheckpointError
-    from moerl.tasks.base import TaskError
-
+    type's name in front unless the type is moerl's own (its messages are written to be read as they are)."""
     lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
     text = lines[0] if lines else repr(error)
-    if isinstance(error, (PreflightError, ConfigError, TaskError, CheckpointError)):
-        return text
-    return f"{type(error).__name__}: {text}"
+    return text if type(error).__module__.split(".")[0] == "moerl" else f"{type(error).__name__}: {text}"
 
 
 # ------------------------------------------------------------------------------------------ run.dir

@@ -9,6 +9,7 @@ With no `ray.address` (and no RAY_ADDRESS) a local Ray instance is started on 12
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -160,20 +161,27 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
 
     resume = resume or resume_step is not None
     run_dir = Path(cfg.run.dir)
-    preflight.check_run_dir(run_dir)
-    store = CheckpointStore(cfg.checkpoint_dir())
-    store.probe()  # a run that cannot save finds out now, not at its first save
-    if not resume:
-        preflight.check_no_run(run_dir, store)
-    checked_arch = preflight.check_model(cfg.model.path) if cfg.model.path else None
-    task = preflight.check_task(cfg)
+    new_dirs = [d for d in (run_dir, Path(cfg.checkpoint_dir())) if "://" not in str(d) and not d.exists()]
     try:
-        arch = checked_arch or model_architecture(cfg, task)
-    except ValueError as e:
-        raise PreflightError(str(e)) from e
-    preflight.check_tokenizer(task, arch)
-    step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step)
-            if resume else None)
+        preflight.check_run_dir(run_dir)
+        store = CheckpointStore(cfg.checkpoint_dir())
+        store.probe()  # a run that cannot save finds out now, not at its first save
+        if not resume:
+            preflight.check_no_run(run_dir, store)
+        checked_arch = preflight.check_model(cfg.model.path) if cfg.model.path else None
+        task = preflight.check_task(cfg)
+        try:
+            arch = checked_arch or model_architecture(cfg, task)
+        except ValueError as e:
+            raise PreflightError(str(e)) from e
+        preflight.check_tokenizer(task, arch)
+        step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step)
+                if resume else None)
+    except BaseException:
+        for d in reversed(new_dirs):  # a run that did not start leaves no directory behind (only empty ones go)
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return Prepared(task, arch, step)
 
 
@@ -188,9 +196,12 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopSignals:
+        """Set the handlers; again after `ray.init`, whose core worker puts in its own (C++) SIGTERM handler,
+        which would abort the driver."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
+                self._previous.setdefault(sig, previous)  # the handler from before the first install
         return self
 
     def restore(self) -> None:
@@ -296,6 +307,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
 
     try:
         _init_ray(cfg)
+        signals.install()  # again: ray.init replaced the SIGTERM handler
         log = RunLog(run_dir, resume=resuming)
         progress = Progress(cfg.train.steps)
         trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
@@ -397,8 +409,8 @@ def main(argv: list[str]) -> int:
     try:
         result = train(cfg, resume=resume, prepared=prepared)
     except KeyboardInterrupt:  # a second Ctrl-C
-        print(f"aborted at step {preflight.last_logged_step(Path(cfg.run.dir))} of {cfg.train.steps} without "
-              f"saving{_resume_hint(cfg, again)}", file=sys.stderr)
+        print(f"aborted at step {preflight.last_logged_step(Path(cfg.run.dir))} of {cfg.train.steps} by a second "
+              f"Ctrl-C{_resume_hint(cfg, again)}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001
         _error(e, debug, Path(cfg.run.dir), f" ({again} --resume)" if isinstance(e, TrainerLost) and
@@ -433,7 +445,9 @@ def _resume_hint(cfg: MoerlConfig, again: str) -> str:
         saved = CheckpointStore(cfg.checkpoint_dir()).latest_step()
     except Exception:  # noqa: BLE001 - only a hint
         return ""
-    return f"; the newest checkpoint is step {saved}: resume with: {again} --resume" if saved is not None else ""
+    if saved is None:
+        return "; no checkpoint was saved"
+    return f"; the newest checkpoint is step {saved}: resume with: {again} --resume"
 
 
 def _error(e: BaseException, debug: bool, run_dir: Path | None = None, suffix: str = "") -> None:
