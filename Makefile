@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+# The demo starts afresh each time: `moerl train` never overwrites a run, so the last demo's directory goes first.
 demo: $(STAMP)
+	rm -rf runs/demo
 	$(VENV)/bin/moerl train configs/demo.toml
 
 test: $(STAMP)
