@@ -1,4 +1,4 @@
-"""Lossless resume: SIGKILL a deterministic run anywhere and resume it; SIGTERM a run and resume it.
+"""Lossless resume: SIGKILL a deterministic run anywhere and resume it; SIGTERM a run and resume it; Ctrl-C saves.
 
 Each run is a real `moerl train` subprocess in its own session (so a kill takes its local Ray with it).
 """
@@ -87,6 +87,20 @@ def test_sigkill_anywhere_then_resume_is_bitwise_equal(tmp_path, layout):
     assert not different, f"weights differ after resume: {different[:5]}"
     rows = [json.loads(line) for line in (killed_dir / "trajectories.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 6
+
+
+def test_ctrl_c_to_the_terminals_process_group_saves_and_exits_130(tmp_path):
+    """Ctrl-C reaches every process of the foreground group, Ray's included (they ignore it): the run saves
+    and exits 130 with the line that resumes it, never a KeyboardInterrupt traceback."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--train.steps=50", "--train.sft_steps=0", "--checkpoint.every=0")
+    _wait_for_step(run_dir, 1, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = _finish(proc, code=130)
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    line = next((x for x in out.splitlines() if x.startswith("stopped at step")), out[-2000:])
+    assert line.startswith(f"stopped at step {int(latest.split('-')[1])} of 50; resume with: moerl train "), line
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
 
 
 def test_sigterm_saves_and_resume_loses_nothing(tmp_path):
