@@ -69,9 +69,9 @@ def check_no_run(run_dir: Path, store: CheckpointStore) -> None:
     if steps:
         held.append(f"checkpoints under {store.root} up to step {steps[-1]}")
     if held:
-        how = ("continue it with --resume" if steps else "it has no checkpoint to resume from")
+        how = "continue it with --resume, or" if steps else "it has no checkpoint to continue from, so"
         raise PreflightError(f"run.dir {str(run_dir)!r} holds a run ({', '.join(held)}) and a run is never "
-                             f"overwritten: {how}, or start a new one with --run.dir=<another directory> "
+                             f"overwritten: {how} start a new one with --run.dir=<another directory> "
                              "(or delete that one)")
 
 

@@ -195,7 +195,7 @@ def test_a_run_is_never_overwritten(tmp_path, capsys) -> None:
     code, err, _ = train([f"--run.dir={run}"], capsys)
     assert code == 2 and len(err) == 1, err
     assert err[0] == (f"error: run.dir '{run}' holds a run (metrics.jsonl up to step 2) and a run is never "
-                      "overwritten: it has no checkpoint to resume from, or start a new one with "
+                      "overwritten: it has no checkpoint to continue from, so start a new one with "
                       "--run.dir=<another directory> (or delete that one)")
     store = CheckpointStore(str(run / "checkpoints"))
     store.write_bytes(2, "controller.pt", b"x")
