@@ -66,6 +66,9 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
     parser.add_argument("--resume-step", type=int, metavar="N", help="continue from committed checkpoint step N")
+    parser.add_argument("--resume-if-saved", action="store_true",
+                        help="continue from the newest committed checkpoint when there is one, else start the run "
+                        "(what a restarted job wants: `moerl launch`'s trainer passes it)")
     return parser
 
 

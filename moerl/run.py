@@ -152,6 +152,7 @@ class Prepared:
     task: Task
     arch: MoEModelConfig
     resume_step: int | None
+    eval_plan: object | None = None  # moerl.loop.evaluation.EvalPlan, when [eval] is on
 
 
 def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None) -> Prepared:
@@ -175,6 +176,10 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
         except ValueError as e:
             raise PreflightError(str(e)) from e
         preflight.check_tokenizer(task, arch)
+        try:
+            plan = eval_plan(cfg, task)  # opens the eval set: a bad one fails here
+        except Exception as e:  # noqa: BLE001 - TaskError and the data readers' errors
+            raise PreflightError(f"eval.path: {one_line(e)}") from e
         step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step)
                 if resume else None)
     except BaseException:
@@ -182,7 +187,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-    return Prepared(task, arch, step)
+    return Prepared(task, arch, step, plan)
 
 
 class StopSignals:
@@ -282,7 +287,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
 
     run_dir = Path(cfg.run.dir)
     task, arch = prepared.task, prepared.arch
-    plan = eval_plan(cfg, task)
+    plan = prepared.eval_plan
     worker_spec, trainer_spec = _specs(cfg, arch, task)
     checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
                                 dtype=cfg.model.dtype, timeout_s=cfg.checkpoint.timeout_s,
@@ -395,6 +400,11 @@ def main(argv: list[str]) -> int:
         return 2
     debug = cfg.run.log_level == "debug"
     resume = args.resume or args.resume_step is not None
+    if args.resume_if_saved and not resume:  # a restarted job continues; its first start starts the run
+        from moerl.checkpoint import CheckpointStore
+
+        with contextlib.suppress(Exception):  # an unreadable store: preflight reports it in one line
+            resume = CheckpointStore(cfg.checkpoint_dir()).latest_step() is not None
     again = shlex.join(["moerl", "train", args.config, *args.overrides])  # the same command, without --resume
     try:
         prepared = prepare(cfg, resume=resume, resume_step=args.resume_step)

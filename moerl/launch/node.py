@@ -235,7 +235,9 @@ def cmd_trainer(a: argparse.Namespace) -> int:
             return STOPPED_BY_SIGTERM
         from moerl.run import main as train_main
 
-        return train_main([config, f"--ray.address={address}", *a.overrides])  # its exit status, 143 on SIGTERM
+        # --resume-if-saved: the trainer job restarts as a whole (launch.trainer_max_retries) and continues from
+        # its newest checkpoint; its first start begins the run.
+        return train_main([config, f"--ray.address={address}", "--resume-if-saved", *a.overrides])  # its exit status, 143 on SIGTERM
     finally:
         head.stop()
 

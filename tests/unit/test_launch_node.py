@@ -191,7 +191,7 @@ def test_a_trainer_rank_joins_again_when_ray_start_fails(monkeypatch: pytest.Mon
         head.listen(16)
         try:
             assert node.main(["trainer", "--rank", "1", "--head", f"127.0.0.1:{head.getsockname()[1]}",
-                              "--wait-s", "30", "--grace-s", "0"]) == 0
+                              "--wait-s", "30", "--grace-s", "0"]) == node.STOPPED_BY_SIGTERM
         finally:
             signal.signal(signal.SIGTERM, previous)
     assert len(FakeNode.made) == 2 and FakeNode.made[1].stopped

@@ -349,3 +349,19 @@ def test_export_refuses_a_non_empty_directory_unless_forced(tmp_path, capsys) ->
                                                "write into it")
     assert cli(["export", str(tmp_path / "ck"), str(out), "--force"]) == 2  # past the check: no checkpoint there
     assert "no committed checkpoint" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
+
+
+def test_resume_if_saved_resumes_only_when_a_checkpoint_is_committed(tmp_path, monkeypatch):
+    """`moerl launch`'s trainer passes --resume-if-saved: a restarted job continues, its first start begins."""
+    from moerl import run
+
+    seen: list[bool] = []
+    monkeypatch.setattr(run, "prepare", lambda cfg, resume, resume_step: seen.append(resume) or (_ for _ in ()).throw(
+        run.PreflightError("stop here")))
+    argv = [DEMO, f"--run.dir={tmp_path}", "--resume-if-saved"]
+    assert run.main(argv) == 2 and seen == [False]
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    store.begin(4)
+    store.write_bytes(4, "state.bin", b"x")
+    store.commit(4)
+    assert run.main(argv) == 2 and seen == [False, True]
