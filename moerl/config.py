@@ -90,7 +90,11 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling probability mass; 1 = off
     top_k: int = 0  # sample from the k most likely tokens only; 0 = off
     max_batch_size: int = 64  # most sequences in one batched generation call
-    max_seq_len: int = 512  # prompt + completion tokens per sequence (the KV cache length)
+    max_seq_len: int = 512  # prompt + completion tokens per sequence
+    kv_block_size: int = 16  # positions per KV-cache block (the unit of allocation and of prefix sharing)
+    kv_cache_tokens: int = 0  # KV-cache size; 0 = from gpu_memory_fraction (GPU), max_batch_size x max_seq_len (CPU)
+    gpu_memory_fraction: float = 0.9  # share of a GPU for the engine: weights + activation reserve + KV cache
+    prefix_caching: bool = True  # samples whose prompts share full KV blocks compute and store them once
     max_inflight_groups: int = 0  # prompt groups a worker works on at once; 0 = from the engine's batch
     cpus_per_worker: float = 1.0  # Ray CPUs per worker (fractional is fine on a laptop)
     gpus_per_worker: float = 0.0
@@ -113,6 +117,9 @@ class RolloutConfig:
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(self.max_inflight_groups >= 0, "max_inflight_groups", "must be >= 0 (0 = from max_batch_size)")
         require(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
+        require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction", "must be in (0, 1]")
+        require(self.kv_block_size >= 1, "kv_block_size", "must be >= 1")
+        require(self.kv_cache_tokens >= 0, "kv_cache_tokens", "must be >= 0 (0 = from memory)")
 
     def inflight_groups(self) -> int:
         """`max_inflight_groups`, or enough groups to fill the engine's batch twice: one batch decoding while

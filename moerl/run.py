@@ -76,8 +76,13 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               stop_token_ids=run_stop_token_ids(cfg, task))
-    engine = EngineConfig(max_batch_size=cfg.rollout.max_batch_size, max_seq_len=cfg.rollout.max_seq_len,
-                          deterministic=cfg.run.deterministic, seed=cfg.run.seed)
+    r = cfg.rollout
+    # A worker that shares its GPU (gpus_per_worker < 1, e.g. with a trainer rank) takes only its share of it.
+    share = r.gpus_per_worker if 0 < r.gpus_per_worker < 1 else 1.0
+    engine = EngineConfig(max_batch_size=r.max_batch_size, max_seq_len=r.max_seq_len,
+                          deterministic=cfg.run.deterministic, seed=cfg.run.seed, kv_block_size=r.kv_block_size,
+                          kv_cache_tokens=r.kv_cache_tokens, gpu_memory_fraction=r.gpu_memory_fraction * share,
+                          prefix_caching=r.prefix_caching)
     t = cfg.train
     worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),

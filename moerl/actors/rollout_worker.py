@@ -30,6 +30,7 @@ from moerl.loop.types import GroupResult, GroupTask
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
 from moerl.rollout import Engine, EngineConfig, SamplingParams
+from moerl.rollout.memory import plan_for_device
 from moerl.tasks.base import load_task, safe_reward
 
 
@@ -64,10 +65,14 @@ class RolloutWorker:
         torch.set_num_threads(spec.threads)
         self.worker_id, self.spec = worker_id, spec
         dtype = getattr(torch, spec.dtype)
+        arch = MoEModelConfig.from_hf_dict(spec.arch)
+        # The memory plan, before any weight loads: one line, or one clear error when the weights cannot fit.
+        print(f"rollout worker {worker_id}: {plan_for_device(arch, spec.engine, dtype, spec.device).describe()}",
+              flush=True)
         if spec.model_path:
             model = load_pretrained(spec.model_path, dtype=dtype, device=spec.device)
         else:
-            model = build_model(MoEModelConfig.from_hf_dict(spec.arch), dtype=dtype, device=spec.device, seed=spec.seed)
+            model = build_model(arch, dtype=dtype, device=spec.device, seed=spec.seed)
         self.engine = EngineThread(Engine(model, spec.engine, version=-1))
         self.receiver = weight_sync.Receiver(self.engine.engine.device)
         self.task = load_task(spec.task_name, spec.task_options, seed=spec.seed)

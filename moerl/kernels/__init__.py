@@ -50,3 +50,34 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(h_NF: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a fused gate|up projection [N, 2I] -> [N, I]."""
     return _SwiGLU.apply(h_NF)
+
+
+def gather_blocks(x_NGPd: torch.Tensor, table_BW: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of each row's blocks, in order, as one tensor [B, G, length, d] (a copy).
+
+    x_NGPd: a pool of N blocks of P positions (G heads, head size d); table_BW: each row's blocks in order."""
+    B, W = table_BW.shape
+    _, G, P, d = x_NGPd.shape
+    return x_NGPd[table_BW].transpose(1, 2).reshape(B, G, W * P, d)[:, :, :length]
+
+
+def paged_decode_reference(q_BHd: torch.Tensor, k_NGPd: torch.Tensor, v_NGPd: torch.Tensor,
+                           table_BW: torch.Tensor, seq_len_B: torch.Tensor) -> torch.Tensor:
+    """Attention of one query position per row over its first seq_len_B[b] cached positions: [B, H, d].
+    Gathers the table's blocks and runs masked SDPA (scale 1/sqrt(d), as the model's attention)."""
+    S = table_BW.shape[1] * k_NGPd.shape[2]
+    k_BGSd, v_BGSd = gather_blocks(k_NGPd, table_BW, S), gather_blocks(v_NGPd, table_BW, S)
+    mask_B11S = (torch.arange(S, device=q_BHd.device)[None, :] < seq_len_B[:, None])[:, None, None, :]
+    out_BH1d = F.scaled_dot_product_attention(q_BHd[:, :, None], k_BGSd, v_BGSd, attn_mask=mask_B11S,
+                                              enable_gqa=q_BHd.shape[1] != k_NGPd.shape[1])
+    return out_BH1d[:, :, 0]
+
+
+def paged_decode_attention(q_BHd: torch.Tensor, k_NGPd: torch.Tensor, v_NGPd: torch.Tensor,
+                           table_BW: torch.Tensor, seq_len_B: torch.Tensor) -> torch.Tensor:
+    """`paged_decode_reference`, on CUDA by the Triton kernel, which reads only each row's live positions."""
+    if use_triton(q_BHd):
+        from moerl.kernels.triton_paged import paged_decode
+
+        return paged_decode(q_BHd, k_NGPd, v_NGPd, table_BW, seq_len_B)
+    return paged_decode_reference(q_BHd, k_NGPd, v_NGPd, table_BW, seq_len_B)

@@ -149,8 +149,10 @@ def _padded_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Ten
 class KVCacheLayer(Protocol):
     """What attention needs from a KV cache (the rollout engine provides one)."""
 
-    def update(self, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new keys/values and return all keys/values to attend over, [B, G, S, d]."""
+    def attend(self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor) -> torch.Tensor:
+        """Store the new keys/values and return the attention of the queries over every cached position each
+        row may see, [B, H, T, d]. The cache attends, not the layer: it knows its layout (a paged cache reads
+        each row's own blocks) and which positions each row sees."""
         ...
 
 
@@ -192,8 +194,8 @@ class Attention(nn.Module):
         cos, sin = rope
         q_BHTd, k_BGTd = apply_rotary(q_BHTd, cos, sin), apply_rotary(k_BGTd, cos, sin)
         if kv_cache is not None:
-            k_BGTd, v_BGTd = kv_cache.update(k_BGTd, v_BGTd)
-        # A mask from the caller (KV cache, padding) replaces the plain causal one.
+            return self.o_proj(kv_cache.attend(q_BHTd, k_BGTd, v_BGTd).transpose(1, 2).reshape(B, T, -1))
+        # A mask from the caller (padding) replaces the plain causal one.
         out_BHTd = F.scaled_dot_product_attention(
             q_BHTd,
             k_BGTd,

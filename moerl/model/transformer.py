@@ -151,7 +151,8 @@ class MoECausalLM(nn.Module):
         """One forward pass.
 
         routed_experts_BTLK: routing replay; MoE layer l uses experts [:, :, l] instead of its router's top-k.
-        kv_caches / attn_mask: one cache per decoder layer and the matching mask (the rollout engine).
+        kv_caches: one cache per decoder layer (the rollout engine); each attends over its own positions.
+        attn_mask: a mask replacing the causal one (without a cache).
         last_logits_only: project only the last position to the vocabulary (logits [B, 1, V]).
         packed: input_ids is one row [1, T] of sequences laid end to end (T = packed.total_len); attention
             stays causal inside each, position ids restart at 0 in each unless given. Flash varlen attention

@@ -1,20 +1,24 @@
-"""The rollout engine: continuous batching over a slab KV cache, chunked prefill, routing capture.
+"""The rollout engine: continuous batching over a paged KV cache, chunked prefill, routing capture.
 
     engine = Engine(model, EngineConfig(max_batch_size=64, max_seq_len=1024))
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=128, temperature=1.0))
 
-Each `step()`: admit waiting requests into free cache slots; run prefill chunks for requests that still have
-more than one uncomputed token (one forward per chunk, rows of equal chunk length batched together); run one
-decode forward over every request that has exactly one uncomputed token (its last sampled token). New requests
-therefore join while others decode. A request's state is its token list plus how many positions are cached, so
-a continuation (a prefix from an aborted request) is just a longer prompt whose generated part is kept.
+Each `step()`: admit waiting requests while their blocks fit (kv_cache.py; the full blocks of their prompt
+that another request already computed are shared, not recomputed); run prefill chunks for requests that still
+have more than one uncomputed token (one forward per chunk, rows of equal chunk length batched together); run
+one decode forward over every request that has exactly one uncomputed token (its last sampled token). New
+requests therefore join while others decode. A request's state is its token list plus how many positions are
+cached, so a continuation (a prefix from an aborted request) is just a longer prompt whose generated part is
+kept, and a request preempted when decode runs out of blocks goes back to the front of the queue as one.
 
-Decode on CUDA runs as captured CUDA graphs (one per batch-size bucket) when `cuda_graphs` is on.
+The cache's size comes from the memory plan (memory.py). Decode on CUDA runs as captured CUDA graphs (one per
+batch-size bucket) when `cuda_graphs` is on.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -23,15 +27,19 @@ import torch
 
 from moerl.kernels import use_triton
 from moerl.model.transformer import MoECausalLM
-from moerl.rollout.decode_graphs import DecodeGraphs
-from moerl.rollout.kv_cache import ForwardPlan, SlabKVCache
+from moerl.rollout.block_pool import ROOT
+from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs
+from moerl.rollout.kv_cache import PagedKVCache
+from moerl.rollout.memory import plan_for_device
 from moerl.rollout.sampling import SamplingBatch, SamplingParams, fused_sampler_ok, sample, sampling_hints
 from moerl.rollout.types import Completion, StepOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class EngineConfig:
-    max_batch_size: int = 64  # cache slots = requests decoding at once
+    max_batch_size: int = 64  # requests running at once (rows of the block table and of the decode batch)
     max_seq_len: int = 2048  # prompt + generated tokens per request
     prefill_chunk: int = 512  # tokens of one request per prefill forward
     max_prefill_tokens: int = 4096  # prefill tokens per step, so decode keeps running while prompts arrive
@@ -42,6 +50,11 @@ class EngineConfig:
     admit_batch: int = 0
     deterministic: bool = False  # report log-probs/routing from one full forward (bitwise = the trainer's)
     seed: int = 0  # draws the seed of requests that bring none
+    kv_block_size: int = 16  # positions per KV-cache block
+    # KV-cache size in tokens; 0 = from gpu_memory_fraction on CUDA, max_batch_size x max_seq_len on CPU.
+    kv_cache_tokens: int = 0
+    gpu_memory_fraction: float = 0.9  # CUDA: the share of the GPU for weights + activation reserve + KV cache
+    prefix_caching: bool = True  # requests whose prompts share full blocks share their keys/values
 
 
 @dataclass
@@ -54,10 +67,12 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    prefix_routing: torch.Tensor | None = None  # a continuation's routing, copied into the slot at admission
+    prefix_routing: torch.Tensor | None = None  # a continuation's (or a preempted request's) routing so far
     num_computed: int = 0  # positions whose keys/values are in the cache
-    num_routed: int = 0  # positions whose routing is recorded (a continuation brings some)
-    slot: int = -1
+    slot: int = -1  # row of the block table and of the decode batch while running
+    blocks: list[int] = field(default_factory=list)  # the KV blocks of its positions, in order
+    chain: int | None = ROOT  # prefix cache: content id of its last keyed block (None: keys no more)
+    num_keyed: int = 0  # its leading blocks keyed in the prefix cache
     finish_reason: str | None = None
 
     @property
@@ -77,28 +92,38 @@ class Engine:
         if use_triton(param):  # compile and check the fused sampler now, never inside a decode graph's capture
             for logits_dtype in {self.dtype, torch.float32}:
                 fused_sampler_ok(self.device, logits_dtype)
-        self.cache = SlabKVCache(arch.num_hidden_layers, config.max_batch_size, config.max_seq_len,
-                                 arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
-        # Host-side routing table: the experts chosen at each position of each slot's request.
-        self.routing = torch.zeros(config.max_batch_size, config.max_seq_len, model.num_moe_layers,
-                                   arch.num_experts_per_tok, dtype=torch.int16)
+        weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+        self.plan = plan_for_device(arch, config, self.dtype, self.device, weights=weights)
+        log.info("rollout engine %s", self.plan.describe())
+        self.cache = PagedKVCache(
+            num_layers=arch.num_hidden_layers, num_blocks=self.plan.num_blocks + 1, block_size=config.kv_block_size,
+            num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, max_rows=config.max_batch_size,
+            max_seq_len=config.max_seq_len, moe_layers=model.num_moe_layers, top_k=arch.num_experts_per_tok,
+            dtype=self.dtype, device=self.device, prefix_caching=config.prefix_caching)
         self.waiting: list[_Request] = []
-        self.running: dict[int, _Request] = {}  # slot -> request
+        self.running: dict[str, _Request] = {}  # id -> request, in admission order (the newest is preempted first)
         self.by_id: dict[str, _Request] = {}
         self._finished_at_submit: list[_Request] = []  # complete prefixes: the next step() reports them
         self._ids = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
-        self.graphs = (DecodeGraphs(self.cache, config.max_batch_size, self.decode_inputs, self.decode_forward)
+        width = self.cache.width
+        self.graphs = (DecodeGraphs(config.max_batch_size, width, width * config.kv_block_size, self.device,
+                                    self.decode_inputs, self.decode_forward)
                        if config.cuda_graphs and self.device.type == "cuda" else None)
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0}
+        # prefill_tokens: positions computed by prefill; prefix_hit_tokens: positions found in the prefix cache
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefix_hit_tokens": 0,
+                      "preemptions": 0}
 
     @staticmethod
     def _check_config(config: EngineConfig) -> None:
         """Refuse settings that would make no progress (a zero prefill budget loops forever) or leave no room."""
-        for name, low in (("max_batch_size", 1), ("max_seq_len", 2), ("prefill_chunk", 1), ("max_prefill_tokens", 1)):
+        for name, low in (("max_batch_size", 1), ("max_seq_len", 2), ("prefill_chunk", 1), ("max_prefill_tokens", 1),
+                          ("kv_block_size", 1), ("kv_cache_tokens", 0)):
             value = getattr(config, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= {low}, got {value!r}")
+        if not 0 < config.gpu_memory_fraction <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {config.gpu_memory_fraction!r}")
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
@@ -121,7 +146,6 @@ class Engine:
             req.generated, req.logprobs, req.versions = list(prefix.token_ids), list(prefix.logprobs), list(prefix.versions)
             if prefix.routed_experts is not None and prefix.routed_experts.shape[0]:
                 req.prefix_routing = prefix.routed_experts.to(torch.int16)
-                req.num_routed = prefix.routed_experts.shape[0]
         self.by_id[request_id] = req
         if self._check_finished(req):  # a prefix that already reached its end
             self._finished_at_submit.append(req)
@@ -192,6 +216,7 @@ class Engine:
         for name, tensor in items:
             state[name].copy_(tensor)
         self.version = version
+        self.cache.forget_prefixes(self.running.values())  # cached prompts were computed by the old weights
 
     # ------------------------------------------------------------------ driving
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -222,22 +247,35 @@ class Engine:
         for req in finished:
             outputs[req.id] = StepOutput(req.id, [], [], self._release(req))
         self._prefill(outputs)
+        self._finish(outputs)  # before decode: their blocks are free for it, and no finished request is preempted
         self._decode(outputs)
-        for req in [r for r in self.running.values() if r.finish_reason]:
-            outputs.setdefault(req.id, StepOutput(req.id, [], [])).completion = self._release(req)
+        self._finish(outputs)
         return list(outputs.values())
 
+    def _finish(self, outputs: dict[str, StepOutput]) -> None:
+        for req in [r for r in self.running.values() if r.finish_reason]:
+            outputs.setdefault(req.id, StepOutput(req.id, [], [])).completion = self._release(req)
+
     def _admit(self) -> None:
-        free = sorted(set(range(self.config.max_batch_size)) - set(self.running))
+        free = sorted(set(range(self.config.max_batch_size)) - {r.slot for r in self.running.values()})
         batch = self.config.admit_batch or max(1, self.config.max_batch_size // 8)
         if self.running and len(free) < min(batch, len(self.waiting)):
             return  # decode on; admit together once enough slots are free
-        while self.waiting and free:
-            req = self.waiting.pop(0)
-            req.slot = free.pop(0)  # lowest free slot: keeps the decode batch a short contiguous range
-            self.running[req.slot] = req
-            if req.prefix_routing is not None:
-                self.routing[req.slot, : req.num_routed] = req.prefix_routing
+        for req in list(self.waiting):
+            if not free:
+                break
+            req.slot = free[0]  # lowest free row: keeps the decode batch a short contiguous range
+            verdict = self.cache.admit(req)
+            if verdict == "full":  # first come, first served: no later request overtakes it
+                req.slot = -1
+                break
+            if verdict == "wait":  # its prompt's blocks are being computed: share them once they are
+                req.slot = -1
+                continue
+            free.pop(0)
+            self.waiting.remove(req)
+            self.running[req.id] = req
+            self.stats["prefix_hit_tokens"] += req.num_computed
 
     def _prefill(self, outputs: dict[str, StepOutput]) -> None:
         budget = self.config.max_prefill_tokens
@@ -254,23 +292,16 @@ class Engine:
 
     def _prefill_group(self, reqs: list[_Request], n: int, outputs: dict[str, StepOutput]) -> None:
         dev = self.device
-        starts = torch.tensor([r.num_computed for r in reqs], device=dev)
-        pos_BT = starts[:, None] + torch.arange(n, device=dev)[None, :]
+        pos_BT = torch.tensor([r.num_computed for r in reqs])[:, None] + torch.arange(n)[None, :]
         ids_BT = torch.tensor([r.tokens[r.num_computed: r.num_computed + n] for r in reqs], device=dev)
-        kv_len = int(starts.max()) + n
-        key_S = torch.arange(kv_len, device=dev)
-        mask = (key_S[None, None, :] <= pos_BT[:, :, None]).unsqueeze(1)
-        slots = torch.tensor([r.slot for r in reqs], device=dev)
-        plan = ForwardPlan(slots, pos_BT, slots, kv_len, mask)
-        out = self.model.forward_full(ids_BT, position_ids_BT=pos_BT, kv_caches=self.cache.views(plan),
-                                      attn_mask=mask, last_logits_only=True)
-        routing = out.routed_experts_BTLK.to(torch.int16).cpu()
-        for i, req in enumerate(reqs):
-            skip = max(0, req.num_routed - req.num_computed)  # a continuation's prefix covers these
-            if skip < n:
-                self.routing[req.slot, req.num_computed + skip: req.num_computed + n] = routing[i, skip:]
-                req.num_routed = req.num_computed + n
+        slots = [r.slot for r in reqs]
+        plan = self.cache.prefill_plan(slots, pos_BT)
+        out = self.model.forward_full(ids_BT, position_ids_BT=pos_BT.to(dev), kv_caches=self.cache.views(plan),
+                                      last_logits_only=True)
+        self.cache.store_routing(slots, pos_BT, out.routed_experts_BTLK.to(torch.int16).cpu())
+        for req in reqs:
             req.num_computed += n
+            self.cache.computed(req, req.num_computed - n)
         self.stats["prefill_tokens"] += n * len(reqs)
         ready = [i for i, r in enumerate(reqs) if r.pending == 0]
         if ready:
@@ -278,56 +309,71 @@ class Engine:
             self._sample_and_append([reqs[i] for i in ready], out.logits_BTV[idx, -1], outputs)
 
     def _decode(self, outputs: dict[str, StepOutput]) -> None:
-        reqs = [r for r in self.running.values() if r.pending == 1 and r.num_computed > 0 and not r.finish_reason]
+        reqs = self._make_room([r for r in self.running.values()
+                                if r.pending == 1 and r.num_computed > 0 and not r.finish_reason])
         if not reqs:
             return
         n = max(r.slot for r in reqs) + 1
         out = self.graphs.run(reqs, n) if self.graphs is not None else None
         token_B, logprob_B, routing_BLK = out if out is not None else self._decode_eager(reqs, n)
         token_B, logprob_B, routing_BLK = token_B.cpu(), logprob_B.cpu(), routing_BLK.to(torch.int16).cpu()
-        # One vectorised write of every row's routing into its slot's row of the host-side routing table.
-        slots = torch.tensor([r.slot for r in reqs])
-        self.routing[slots, torch.tensor([r.num_computed for r in reqs])] = routing_BLK[slots]
+        # One vectorised write of every row's routing into the blocks of its position.
+        slots = [r.slot for r in reqs]
+        self.cache.store_routing(slots, torch.tensor([[r.num_computed] for r in reqs]), routing_BLK[slots][:, None])
         tokens, logprobs = token_B.tolist(), logprob_B.tolist()  # two host lists, not 2 x 256 tensor indexings
         for req in reqs:
-            req.num_routed = req.num_computed + 1
             req.num_computed += 1
+            self.cache.computed(req, req.num_computed - 1)
             self._append(req, tokens[req.slot], logprobs[req.slot], outputs)
         self.stats["decode_tokens"] += len(reqs)
         self.stats["decode_steps"] += 1
 
-    def decode_inputs(self, reqs: list[_Request], n: int, ids_B: torch.Tensor, pos_B: torch.Tensor,
-                      write_B: torch.Tensor, sampling: SamplingBatch) -> None:
-        """Fill a padded decode batch of n rows (row = slot); rows without a request write to scratch."""
-        ids_B.zero_()
-        pos_B.zero_()
-        write_B.fill_(self.cache.scratch_column)
-        rows = torch.tensor([r.slot for r in reqs], device=ids_B.device)
-        ids_B[rows] = torch.tensor([r.tokens[-1] for r in reqs]).to(ids_B.device)
-        pos_B[rows] = torch.tensor([r.num_computed for r in reqs]).to(pos_B.device)
-        write_B[rows] = pos_B[rows]
-        sampling.set_rows([r.slot for r in reqs], [r.params for r in reqs], [r.seed for r in reqs],
-                          [len(r.tokens) for r in reqs])
+    def _make_room(self, reqs: list[_Request]) -> list[_Request]:
+        """A block for each decoding request's next position, oldest request first; when none is free, preempt
+        the newest running request (it is recomputed later) until the older ones fit. Returns those that stay."""
+        for req in reqs:
+            while req.id in self.running and not self.cache.grow(req):
+                self._preempt(next(reversed(self.running.values())))
+        return [r for r in reqs if r.id in self.running]
 
-    def decode_forward(self, ids_B: torch.Tensor, pos_B: torch.Tensor, write_B: torch.Tensor,
-                       sampling: SamplingBatch, kv_len: int, hints: dict | None = None):
+    def _preempt(self, req: _Request) -> None:
+        """Free req's blocks and put it back at the front of the queue as a continuation of its own tokens: its
+        sampled tokens, log-probs, versions and routing so far are kept, and its seed keys the same noise."""
+        req.prefix_routing = self._routing(req)
+        del self.running[req.id]
+        self.cache.free(req)
+        req.slot = -1
+        self.waiting.insert(0, req)
+        self.stats["preemptions"] += 1
+
+    def decode_inputs(self, reqs: list[_Request], n: int, batch: DecodeBatch) -> None:
+        """Fill a padded decode batch of n rows (row = the request's table row); rows without a decoding request
+        keep block table zeros, so they write to the null block."""
+        dev = batch.ids_B.device
+        batch.ids_B.zero_()
+        batch.pos_B.zero_()
+        batch.table_BW.zero_()
+        slots = [r.slot for r in reqs]
+        rows = torch.tensor(slots, device=dev)
+        batch.ids_B[rows] = torch.tensor([r.tokens[-1] for r in reqs]).to(dev)
+        batch.pos_B[rows] = torch.tensor([r.num_computed for r in reqs]).to(dev)
+        width = max(len(r.blocks) for r in reqs)  # live blocks of the longest row: copy no more
+        batch.table_BW[rows, :width] = self.cache.table_RW[slots, :width].to(dev)
+        batch.sampling.set_rows(slots, [r.params for r in reqs], [r.seed for r in reqs], [len(r.tokens) for r in reqs])
+
+    def decode_forward(self, batch: DecodeBatch, kv_len: int, hints: dict | None = None):
         """The decode computation: a forward over a padded batch, then sampling (what the graphs capture)."""
-        n = ids_B.shape[0]
-        key_S = torch.arange(kv_len, device=ids_B.device)
-        mask = (key_S[None, :] <= pos_B[:, None])[:, None, None, :]
-        plan = ForwardPlan(torch.arange(n, device=ids_B.device), write_B[:, None], slice(0, n), kv_len, mask)
-        out = self.model.forward_full(ids_B[:, None], position_ids_BT=pos_B[:, None],
-                                      kv_caches=self.cache.views(plan), attn_mask=mask)
-        token_B, logprob_B = sample(out.logits_BTV[:, -1], sampling, **(hints or {}))
+        plan = self.cache.decode_plan(batch.pos_B, batch.table_BW, kv_len)
+        out = self.model.forward_full(batch.ids_B[:, None], position_ids_BT=batch.pos_B[:, None],
+                                      kv_caches=self.cache.views(plan))
+        token_B, logprob_B = sample(out.logits_BTV[:, -1], batch.sampling, **(hints or {}))
         return token_B, logprob_B, out.routed_experts_BTLK[:, 0]
 
     def _decode_eager(self, reqs: list[_Request], n: int):
-        dev = self.device
-        ids_B, pos_B, write_B = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
-        sampling = SamplingBatch.empty(n, dev)
-        self.decode_inputs(reqs, n, ids_B, pos_B, write_B, sampling)
+        batch = DecodeBatch.empty(n, max(len(r.blocks) for r in reqs), self.device)
+        self.decode_inputs(reqs, n, batch)
         kv_len = max(r.num_computed for r in reqs) + 1
-        return self.decode_forward(ids_B, pos_B, write_B, sampling, kv_len, sampling_hints(reqs))
+        return self.decode_forward(batch, kv_len, sampling_hints(reqs))
 
     def _sample_and_append(self, reqs: list[_Request], logits_BV: torch.Tensor, outputs) -> None:
         sampling = SamplingBatch.empty(len(reqs), self.device)
@@ -360,19 +406,27 @@ class Engine:
         if req in self.waiting:
             self.waiting.remove(req)
         self._finished_at_submit = [r for r in self._finished_at_submit if r is not req]
-        if self.running.get(req.slot) is req:
-            del self.running[req.slot]
-        if req.slot >= 0:
-            routing = self.routing[req.slot, : req.num_routed].clone()
-        elif req.prefix_routing is not None:
-            routing = req.prefix_routing
-        else:
-            routing = self.routing.new_zeros(0, *self.routing.shape[2:])
+        routing = self._routing(req)
+        if self.running.pop(req.id, None) is not None:
+            self.cache.free(req)
         completion = Completion(req.id, req.tokens[: req.num_prompt], list(req.generated), list(req.logprobs),
                                 list(req.versions), routing, req.finish_reason, seed=req.seed)
         if self.config.deterministic and completion.token_ids and req.finish_reason != "abort":
             self._rescore(completion, req)
         return completion
+
+    def _routing(self, req: _Request) -> torch.Tensor:
+        """The experts at every position req ran: a continuation's own routing where it brings it (the policy
+        that sampled those tokens chose it), the cache's record of the positions computed here after that."""
+        prefix = req.prefix_routing
+        n_prefix = 0 if prefix is None else prefix.shape[0]
+        if req.num_computed <= n_prefix:
+            table = self.cache.routing_NPLK
+            return prefix if prefix is not None else table.new_zeros(0, *table.shape[2:])
+        routing = self.cache.routing_of(req, req.num_computed)
+        if n_prefix:
+            routing[:n_prefix] = prefix
+        return routing
 
     @torch.no_grad()
     def _rescore(self, completion: Completion, req: _Request) -> None:

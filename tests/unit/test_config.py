@@ -191,6 +191,8 @@ def test_validate_errors_name_the_key():
         "--rollout.top_p=1.5": "config key 'rollout.top_p' must be in (0, 1], got 1.5",
         "--rollout.top_p=0": "config key 'rollout.top_p' must be in (0, 1], got 0.0",
         "--rollout.num_workers=0": "config key 'rollout.num_workers' must be >= 1, got 0",
+        "--rollout.gpu_memory_fraction=0": "config key 'rollout.gpu_memory_fraction' must be in (0, 1], got 0.0",
+        "--rollout.kv_cache_tokens=-1": "config key 'rollout.kv_cache_tokens' must be >= 0 (0 = from memory), got -1",
         "--ep.size=0": "config key 'ep.size' must be >= 1, got 0",
         "--model.capacity_factor=-1": "config key 'model.capacity_factor' must be >= 0 (0 = dropless), got -1.0",
     }
