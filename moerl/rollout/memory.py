@@ -2,7 +2,7 @@
 
 On CUDA the engine may use `gpu_memory_fraction` of the GPU's total memory (and never more than what other
 processes leave it): the weights and an activation reserve come first, the KV cache gets the rest in whole
-blocks. On CPU, or where `kv_cache_tokens` is set, the cache holds that many tokens; the CPU default is
+blocks, up to what max_batch_size requests of max_seq_len can use. On CPU, or where `kv_cache_tokens` is set, the cache holds that many tokens; the CPU default is
 max_batch_size requests of max_seq_len (and the one block of headroom that admission asks for), so every
 admitted request fits and the engine never waits for blocks, as with the slab cache before.
 
@@ -122,7 +122,9 @@ def plan_memory(arch: MoEModelConfig, config, dtype: torch.dtype, *, weights: in
                 f"do not fit in {where} ({plan.budget_bytes / GB:.1f} GB): raise rollout.gpu_memory_fraction, free "
                 f"the GPU, or use one with more memory")
         if not config.kv_cache_tokens:
-            plan.num_blocks = left // (per_token * P)
+            # Capped at every row at full length: more would only keep old prompts cached, and a small model
+            # would take the whole GPU (and a per-block table on the host) for nothing.
+            plan.num_blocks = min(left // (per_token * P), config.max_batch_size * blocks_per_request + 1)
         elif plan.kv_bytes > left:
             raise MemoryPlanError(
                 f"rollout.kv_cache_tokens={config.kv_cache_tokens} needs {plan.kv_bytes / GB:.1f} GB of KV cache, but "

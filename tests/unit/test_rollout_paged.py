@@ -18,6 +18,7 @@ from moerl.kernels import paged_decode_reference
 from moerl.model import MoEModelConfig
 from moerl.rollout import Completion, Engine, EngineConfig, SamplingParams
 from moerl.rollout.block_pool import BlockPool
+from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs
 from moerl.rollout.memory import MemoryPlanError, plan_memory, weight_bytes
 from tests.unit.test_rollout_engine import (PROMPTS, assert_same_completion, full_forward_scores, greedy, make_model,
                                            seeded)
@@ -165,6 +166,38 @@ def test_abort_of_a_preempted_request_returns_its_tokens(model):
     cont = paged(model).generate([partial.prompt_token_ids], [seeded(20, ids.index(victim.id))], [partial])[0]
     alone = paged(model).generate([partial.prompt_token_ids], [seeded(20, ids.index(victim.id))])[0]
     assert_same_completion(cont, alone, logprob_tol=1e-6)
+
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: replay() recomputes into the captured outputs."""
+
+    def __init__(self, run) -> None:
+        self.run, self.outs = run, run()
+
+    def replay(self) -> None:
+        for out, new in zip(self.outs, self.run()):
+            out.copy_(new)
+
+
+class EagerGraphs(DecodeGraphs):
+    def _capture(self, n: int, hints: dict):
+        batch = DecodeBatch.empty(n, self.width, self.device)
+        graph = _EagerGraph(lambda: self.decode(batch, self.kv_len, hints))
+        return graph, batch, graph.outs
+
+
+def test_graph_shaped_decode_equals_eager(model):
+    """What the CUDA graphs capture (a bucket-padded batch, the full-width block table, attention masked over the
+    whole width, padding rows writing to the null block), run on CPU: the outputs of the eager decode."""
+    prompts, params = PROMPTS + [PROMPTS[0]], mixed_params(len(PROMPTS) + 1, 10)
+    want = paged(model, max_batch_size=5).generate(prompts, params)
+    engine = paged(model, max_batch_size=5, kv_cache_tokens=48)
+    c = engine.config
+    engine.graphs = EagerGraphs(c.max_batch_size, engine.cache.width, engine.cache.width * c.kv_block_size,
+                                engine.device, engine.decode_inputs, engine.decode_forward)
+    for a, b in zip(engine.generate(prompts, params), want):
+        assert_same_completion(a, b, logprob_tol=1e-6)
+    assert {key[0] for key in engine.graphs.captured} >= {4, 5} and engine.stats["preemptions"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------
