@@ -86,9 +86,10 @@ def engine_alone(args: argparse.Namespace, gpu: bool, batches: int = 3) -> dict:
     model = build_model(arch, dtype=getattr(torch, spec.dtype), device=spec.device, seed=0)
     engine = Engine(model, spec.engine)
     n, G = cfg.rollout.inflight_groups(), cfg.rollout.group_size
-    prompts = [task.prompt_at(i).prompt_token_ids for i in range(n)]
 
     def batch(seed: int) -> list:
+        # New prompts per batch, as the loop leases them: the same ones again would hit the engine's prefix cache.
+        prompts = [task.prompt_at(seed * n + i).prompt_token_ids for i in range(n)]
         params = [dataclasses.replace(spec.sampling, seed=seed * 100_000 + i) for i in range(n * G)]
         return engine.generate([p for p in prompts for _ in range(G)], params)
     batch(0)  # warm-up: CUDA graphs, kernels
