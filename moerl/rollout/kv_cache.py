@@ -170,13 +170,11 @@ class PagedKVCache:
     # ------------------------------------------------------------------ plans
     def prefill_plan(self, slots: list[int], pos_BT: torch.Tensor) -> ForwardPlan:
         """Rows of new positions pos_BT (host); each attends causally over its own positions."""
-        kv_len = int(pos_BT.max()) + 1
-        table_BW = self.table_RW[torch.tensor(slots), : -(-kv_len // self.block_size)]
-        write_block_BT = table_BW.gather(1, pos_BT // self.block_size)
-        mask_B1TS = (torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None]).unsqueeze(1)
-        dev = self.device
-        return ForwardPlan(write_block_BT.to(dev), (pos_BT % self.block_size).to(dev), table_BW.to(dev), kv_len,
-                           mask_B1TS.to(dev))
+        kv_len, P, dev = int(pos_BT.max()) + 1, self.block_size, self.device
+        table_BW = self.table_RW[torch.tensor(slots), : -(-kv_len // P)].to(dev)
+        pos_BT = pos_BT.to(dev)
+        mask_B1TS = (torch.arange(kv_len, device=dev)[None, None, :] <= pos_BT[:, :, None]).unsqueeze(1)
+        return ForwardPlan(table_BW.gather(1, pos_BT // P), pos_BT % P, table_BW, kv_len, mask_B1TS)
 
     def decode_plan(self, pos_B: torch.Tensor, table_BW: torch.Tensor, kv_len: int) -> ForwardPlan:
         """One new position per row (device tensors; static inside a CUDA graph)."""

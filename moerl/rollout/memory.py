@@ -2,9 +2,10 @@
 
 On CUDA the engine may use `gpu_memory_fraction` of the GPU's total memory (and never more than what other
 processes leave it): the weights and an activation reserve come first, the KV cache gets the rest in whole
-blocks, up to what max_batch_size requests of max_seq_len can use. On CPU, or where `kv_cache_tokens` is set, the cache holds that many tokens; the CPU default is
-max_batch_size requests of max_seq_len (and the one block of headroom that admission asks for), so every
-admitted request fits and the engine never waits for blocks, as with the slab cache before.
+blocks, up to what max_batch_size requests of max_seq_len can use. Where `kv_cache_tokens` is set, the cache
+holds that many tokens; on CPU that defaults to max_batch_size requests of max_seq_len (and the one block of
+headroom that admission asks for), so every admitted request fits and the engine never waits for blocks, as
+with the slab cache before.
 
 The plan refuses, in one line that names the setting to change, weights that do not fit and a cache that
 cannot hold one request of max_seq_len.
@@ -19,6 +20,13 @@ import torch
 from moerl.model.config import MoEModelConfig
 
 GB = 1e9
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 class MemoryPlanError(ValueError):
@@ -52,13 +60,13 @@ class MemoryPlan:
         return self.num_blocks // -(-self.max_seq_len // self.block_size)
 
     def describe(self) -> str:
-        budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
-        return (f"memory plan ({self.device}): weights {self.weight_bytes / GB:.1f} GB, KV cache "
-                f"{self.kv_bytes / GB:.2f} GB = {self.num_blocks} blocks x {self.block_size} = {self.tokens} tokens "
-                f"({self.kv_bytes_per_token / 1024:.0f} KiB/token), reserve {self.reserve_bytes / GB:.1f} GB{budget}; "
+        budget = f" of a {_size(self.budget_bytes)} budget" if self.budget_bytes else ""
+        return (f"memory plan ({self.device}): weights {_size(self.weight_bytes)}, KV cache {_size(self.kv_bytes)} = "
+                f"{self.num_blocks} blocks x {self.block_size} = {self.tokens} tokens "
+                f"({_size(self.kv_bytes_per_token)}/token), reserve {_size(self.reserve_bytes)}{budget}; "
                 f"{self.max_full_requests} requests of max_seq_len={self.max_seq_len} at once "
-                f"(max_batch_size={self.max_batch_size}); routing table "
-                f"{self.tokens * self.routing_bytes_per_token / GB:.2f} GB host")
+                f"(max_batch_size={self.max_batch_size}); routing table on the host "
+                f"{_size(self.tokens * self.routing_bytes_per_token)}")
 
 
 def kv_bytes_per_token(arch: MoEModelConfig, dtype: torch.dtype) -> int:
@@ -134,7 +142,7 @@ def plan_memory(arch: MoEModelConfig, config, dtype: torch.dtype, *, weights: in
         setting = ("rollout.kv_cache_tokens" if config.kv_cache_tokens or not total_bytes
                    else "rollout.gpu_memory_fraction")
         raise MemoryPlanError(
-            f"the KV cache ({plan.tokens} tokens, {plan.kv_bytes / GB:.2f} GB) cannot hold one request of "
+            f"the KV cache ({plan.tokens} tokens, {_size(plan.kv_bytes)}) cannot hold one request of "
             f"rollout.max_seq_len={S} (+ one block): raise {setting} or lower rollout.max_seq_len")
     return plan
 
