@@ -5,6 +5,7 @@
         --experts 128 --top-k 8 --moe-inter 768 --vocab 151936 --batch 256 --max-seq-len 5120 \
         --contexts 256,1024,4096                                   # 30B-A3B's layer shape, 8 of its 48 layers
     TRITON_INTERPRET=1 python scripts/gpu/paged_decode_check.py --kernel-only --device cpu   # no GPU: interpreter
+    python scripts/gpu/paged_decode_check.py --eks                 # eks-p5en's rollout engine, 30B-A3B shape
 
 1. kernel: the Triton paged decode kernel against the torch reference computed in float64, with float64,
    float32 and bfloat16 inputs, for several block sizes, GQA ratios and row lengths (1 to the table's full
@@ -16,6 +17,8 @@
    masked attention over the whole slab), (b) the paged engine with the Triton kernel, (c) the paged engine
    gathering blocks + SDPA (its fallback without triton); and the paged engine's whole step() (host work
    included), as decode tokens per second. Random-init weights, temperature 1.
+4. --eks (alone): configs/eks-p5en.toml's rollout engine (256 x 5120) starts at Qwen3-30B-A3B's shape and runs a
+   GRPO-like load of 16 groups x 16 samples.
 Exits non-zero when a check fails.
 """
 
@@ -64,7 +67,8 @@ def check_kernel(device: str, failures: list[str]) -> None:
                 continue
             err = (got.double().cpu() - want).abs().max().item()
             ok = err <= TOL[dtype]
-            print(f"{'PASS' if ok else 'FAIL'} kernel B={B} H={H} G={G} d={d} P={P} W={W} {dtype}: max abs err {err:.1e}")
+            shape = f"B={B} H={H} G={G} d={d} P={P} W={W}"
+            print(f"{'PASS' if ok else 'FAIL'} kernel {shape} {dtype}: max abs err {err:.1e}")
             if not ok:
                 failures.append(f"kernel {dtype} P={P}")
         if device == "cuda":  # in a CUDA graph, with new tables and lengths written into the captured buffers
@@ -117,6 +121,44 @@ def check_engine(failures: list[str]) -> None:
                   f"{engine.stats['prefix_hit_tokens']} prefix-cache tokens")
             if not ok:
                 failures.append(f"engine graphs={graphs} block={block}")
+
+
+@torch.no_grad()
+def check_eks_p5en(failures: list[str]) -> None:
+    """configs/eks-p5en.toml's rollout settings (256 x 5120) at Qwen3-30B-A3B's shape (random weights) on this
+    GPU: the plan before the weights load, the engine starting, and a GRPO-like load (16 groups of 16 samples,
+    1,000-token prompts, 1,024 new tokens at temperature 1: the groups share their prompts' blocks)."""
+    from moerl.bench.rollout import qwen3_30b_a3b_config, random_model
+    from moerl.config import load_config
+    from moerl.rollout.memory import plan_for_device
+
+    r = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "eks-p5en.toml"), []).rollout
+    config = EngineConfig(max_batch_size=r.max_batch_size, max_seq_len=r.max_seq_len, kv_block_size=r.kv_block_size,
+                          kv_cache_tokens=r.kv_cache_tokens, gpu_memory_fraction=r.gpu_memory_fraction,
+                          prefix_caching=r.prefix_caching)
+    arch = qwen3_30b_a3b_config()
+    print(f"\neks-p5en rollout settings at the 30B-A3B shape, before the weights: "
+          f"{plan_for_device(arch, config, torch.bfloat16, 'cuda').describe()}", flush=True)
+    try:
+        engine = Engine(random_model(arch, torch.bfloat16, torch.device("cuda")), config)
+        print(f"engine started: {engine.plan.describe()}", flush=True)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, arch.vocab_size, (1000,), generator=gen).tolist() for _ in range(16)]
+        params = [SamplingParams(max_new_tokens=1024, temperature=1.0, seed=i) for i in range(256)]
+        t0 = time.perf_counter()
+        done = engine.generate([p for p in prompts for _ in range(16)], params)
+        seconds = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the failure is the finding
+        print(f"FAIL eks-p5en at the 30B shape: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        failures.append("eks-p5en 30B start")
+        return
+    tokens, st = sum(len(c.token_ids) for c in done), engine.stats
+    print(f"PASS eks-p5en at the 30B shape: 256 samples, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.0f} "
+          f"tok/s); prefill {st['prefill_tokens']} tokens, prefix hits {st['prefix_hit_tokens']}, preemptions "
+          f"{st['preemptions']}; peak allocated {torch.cuda.max_memory_allocated() / 1e9:.1f} GB of "
+          f"{torch.cuda.get_device_properties(0).total_memory / 1e9:.1f} GB")
+    del engine, done
+    torch.cuda.empty_cache()
 
 
 class SlabView:
@@ -233,6 +275,7 @@ def main() -> int:
     p.add_argument("--kernel-only", action="store_true")
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--no-gather", dest="gather", action="store_false", help="skip the gather + SDPA column")
+    p.add_argument("--eks", action="store_true", help="only: configs/eks-p5en.toml's engine at the 30B-A3B shape")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
@@ -247,6 +290,10 @@ def main() -> int:
     p.add_argument("--contexts", default="128,1024,3072")
     args = p.parse_args()
     failures: list[str] = []
+    if args.eks:
+        check_eks_p5en(failures)
+        print(f"\n{'FAILED: ' + ', '.join(failures) if failures else 'all checks passed'}")
+        return 1 if failures else 0
     check_kernel(args.device, failures)
     if not args.kernel_only:
         assert torch.cuda.is_available(), "the engine checks and timings need a CUDA device"
