@@ -7,7 +7,9 @@ scripts/gpu/kernels_check.py checks the Triton path against it on a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -81,3 +83,34 @@ def paged_decode_attention(q_BHd: torch.Tensor, k_NGPd: torch.Tensor, v_NGPd: to
 
         return paged_decode(q_BHd, k_NGPd, v_NGPd, table_BW, seq_len_B)
     return paged_decode_reference(q_BHd, k_NGPd, v_NGPd, table_BW, seq_len_B)
+
+
+@functools.lru_cache(maxsize=None)
+def paged_decode_ok(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                    block_size: int) -> bool:
+    """Whether the Triton paged decode matches `paged_decode_reference` at this head layout (checked once per
+    process and shape, eagerly: the engine asks before any decode graph is captured). A kernel that fails to
+    compile or disagrees leaves decode on the gather + SDPA path, with a warning, instead of wrong attention."""
+    from moerl.kernels.triton_paged import paged_decode
+
+    g = torch.Generator(device=device).manual_seed(0)
+    B, W, N = 5, 4, 24
+    q_BHd = torch.randn(B, num_heads, head_dim, generator=g, device=device).to(dtype)
+    k_NGPd = torch.randn(N, num_kv_heads, block_size, head_dim, generator=g, device=device).to(dtype)
+    v_NGPd = torch.randn(N, num_kv_heads, block_size, head_dim, generator=g, device=device).to(dtype)
+    table_BW = torch.randperm(N, generator=g, device=device)[: B * W].view(B, W)
+    seq_len_B = torch.tensor([1, block_size, W * block_size, 2 * block_size + 1, 3], device=device)
+    seq_len_B = seq_len_B.clamp(max=W * block_size)
+    try:
+        got_BHd = paged_decode(q_BHd, k_NGPd, v_NGPd, table_BW, seq_len_B).float()
+        want_BHd = paged_decode_reference(q_BHd.float(), k_NGPd.float(), v_NGPd.float(), table_BW, seq_len_B)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        ok = bool(torch.allclose(got_BHd, want_BHd, atol=tol, rtol=tol))
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure: the gather path still attends right
+        logging.getLogger(__name__).warning("the Triton paged decode failed (%s): decode gathers blocks instead", e)
+        return False
+    if not ok:
+        logging.getLogger(__name__).warning("the Triton paged decode disagrees with its reference (%s, %d/%d heads, "
+                                            "head_dim %d): decode gathers blocks instead", dtype, num_heads,
+                                            num_kv_heads, head_dim)
+    return ok

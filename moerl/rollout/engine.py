@@ -25,6 +25,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from moerl import kernels
 from moerl.kernels import use_triton
 from moerl.model.transformer import MoECausalLM
 from moerl.rollout.block_pool import ROOT
@@ -100,6 +101,10 @@ class Engine:
             num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, max_rows=config.max_batch_size,
             max_seq_len=config.max_seq_len, moe_layers=model.num_moe_layers, top_k=arch.num_experts_per_tok,
             dtype=self.dtype, device=self.device, prefix_caching=config.prefix_caching)
+        if self.cache.decode_kernel:  # checked now, before any decode graph is captured (never inside one)
+            self.cache.decode_kernel = kernels.paged_decode_ok(self.device, self.dtype, arch.num_attention_heads,
+                                                               arch.num_key_value_heads, arch.head_dim,
+                                                               config.kv_block_size)
         self.waiting: list[_Request] = []
         self.running: dict[str, _Request] = {}  # id -> request, in admission order (the newest is preempted first)
         self.by_id: dict[str, _Request] = {}

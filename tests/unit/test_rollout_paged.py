@@ -278,3 +278,29 @@ def test_completion_roundtrip_after_preemption_keeps_versions(model):
         c = done[rid]
         want = paged(model).generate([prompt], greedy(20))[0]
         assert c.token_ids == want.token_ids and 5 in c.versions and c.versions == sorted(c.versions)
+
+
+def test_a_paged_kernel_that_fails_or_disagrees_leaves_decode_on_the_gather_path(monkeypatch, caplog):
+    """The Triton paged decode is checked once per shape against the reference before decode uses it."""
+    import sys
+    import types
+
+    from moerl import kernels
+
+    def wrong(q_BHd, *args, **kwargs):
+        return torch.zeros_like(q_BHd)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of shared memory")
+
+    for fake, message in ((wrong, "disagrees"), (broken, "out of shared memory")):
+        monkeypatch.setitem(sys.modules, "moerl.kernels.triton_paged", types.SimpleNamespace(paged_decode=fake))
+        kernels.paged_decode_ok.cache_clear()
+        with caplog.at_level("WARNING"):
+            assert not kernels.paged_decode_ok(torch.device("cpu"), torch.float32, 4, 2, 8, 4)
+        assert message in caplog.text
+    monkeypatch.setitem(sys.modules, "moerl.kernels.triton_paged",
+                        types.SimpleNamespace(paged_decode=kernels.paged_decode_reference))
+    kernels.paged_decode_ok.cache_clear()
+    assert kernels.paged_decode_ok(torch.device("cpu"), torch.float32, 4, 2, 8, 4)
+    kernels.paged_decode_ok.cache_clear()
