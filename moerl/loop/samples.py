@@ -1,12 +1,15 @@
-"""From finished groups to trainer samples: GRPO advantages, failed samples left out, trajectory rows."""
+"""From finished groups to trainer samples: GRPO advantages, failed samples left out, trajectory rows, and the
+batch's GRPO health statistics (reward spread within groups, groups without signal, lengths, clipped share)."""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
 
 from moerl.loop.types import GroupResult
-from moerl.tasks.base import Task
+from moerl.tasks.base import Task, completion_text
 from moerl.train.loss import group_advantages
 from moerl.train.trainer import Sample
 
@@ -15,11 +18,14 @@ class SampleBuilder:
     def __init__(self, task: Task, normalize_adv_std: bool, num_moe_layers: int, num_experts: int) -> None:
         self.task, self.normalize_adv_std = task, normalize_adv_std
         self.num_moe_layers, self.num_experts = num_moe_layers, num_experts
+        self._text_warned = False
 
     def build(self, groups: list[GroupResult], step: int, version: int) -> tuple[list[Sample], list[dict], dict]:
-        """Samples whose reward is known; a sample whose reward raised is failed and left out (never a zero)."""
+        """Samples whose reward is known; a sample whose reward raised is failed and left out (never a zero).
+        Rows hold ids and numbers only; `add_text` decodes them later, off the trainer's critical path."""
         samples, rows = [], []
-        rewards_all, lengths, staleness, failed = [], [], [], 0
+        rewards_all, lengths, staleness, failed, clipped = [], [], [], 0, 0
+        group_stds, all_equal = [], 0
         routed = []  # [T, L, K] per sample, counted together below
         for g in groups:
             valid = [i for i, r in enumerate(g.rewards) if r is not None]
@@ -28,6 +34,8 @@ class SampleBuilder:
                 continue
             rewards = torch.tensor([g.rewards[i] for i in valid], dtype=torch.float32)
             advantages = group_advantages(rewards[None], self.normalize_adv_std)[0].tolist()
+            group_stds.append(float(rewards.std(unbiased=False)))
+            all_equal += bool((rewards == rewards[0]).all())  # zero advantage: no learning signal from this group
             for adv, i in zip(advantages, valid):
                 c = g.completions[i]
                 samples.append(Sample(c.prompt_token_ids, c.token_ids, c.logprobs, adv, c.routed_experts))
@@ -35,12 +43,14 @@ class SampleBuilder:
                     routed.append(c.routed_experts.numpy())
                 rewards_all.append(g.rewards[i])
                 lengths.append(len(c.token_ids))
+                clipped += c.finish_reason == "length"
                 staleness.append(version - min(c.versions, default=version))
-                rows.append({"step": step + 1, "task_id": g.task_id, "sample_index": i, "worker": g.worker_id,
+                rows.append({"step": step + 1, "task_id": g.task_id, "prompt_index": g.prompt_index,
+                             "sample_index": i, "worker": g.worker_id,
                              "versions": [min(c.versions, default=version), max(c.versions, default=version)],
                              "trained_at_version": version, "reward": g.rewards[i], "advantage": adv,
                              "prompt_len": len(c.prompt_token_ids), "completion_len": len(c.token_ids),
-                             "finish_reason": c.finish_reason})
+                             "finish_reason": c.finish_reason, "completion_ids": list(c.token_ids)})
         n = max(1, len(rewards_all))
         L, E = self.num_moe_layers, self.num_experts
         # One bincount over the whole batch: small torch ops per sample cost ~2 ms each in a driver whose
@@ -49,9 +59,42 @@ class SampleBuilder:
         counts_LE = np.bincount((np.arange(L)[None, :, None] * E + experts_TLK).ravel(), minlength=L * E).reshape(L, E)
         stats = {
             "reward/mean": sum(rewards_all) / n,
+            "reward/group_std": sum(group_stds) / max(1, len(group_stds)),
+            "reward/all_equal_frac": all_equal / max(1, len(group_stds)),
             "samples": len(samples), "samples_failed": failed,
-            "length/mean": sum(lengths) / n,
+            "length/mean": sum(lengths) / n, "length/max": max(lengths, default=0),
+            "length/clipped_frac": clipped / n,
             "staleness/mean": sum(staleness) / n, "staleness/max": max(staleness, default=0),
             "expert_counts_rollout": counts_LE.tolist(),
         }
         return samples, rows, stats
+
+    def add_text(self, rows: list[dict]) -> list[dict]:
+        """Fill in each row's `prompt`, `completion` (decoded up to EOS with the task's tokenizer) and
+        `answer`, in place, before its ids; returns the rows. A task or tokenizer that raises leaves the
+        fields None (with one warning): the run log must never fail the run."""
+        prompts: dict[int, tuple[str | None, str | None]] = {}
+        for row in rows:
+            index = row.get("prompt_index")
+            if index not in prompts:
+                try:
+                    p = self.task.prompt_at(index)
+                    prompts[index] = (p.prompt_text, p.answer)
+                except Exception as e:  # noqa: BLE001 - a log field, not the training signal
+                    prompts[index] = (None, None)
+                    self._warn(e)
+            try:
+                completion = completion_text(self.task.tokenizer, row.get("completion_ids") or [])
+            except Exception as e:  # noqa: BLE001
+                completion = None
+                self._warn(e)
+            ids = row.pop("completion_ids", None)
+            row.update(prompt=prompts[index][0], completion=completion, answer=prompts[index][1])
+            if ids is not None:
+                row["completion_ids"] = ids
+        return rows
+
+    def _warn(self, e: Exception) -> None:
+        if not self._text_warned:
+            self._text_warned = True
+            warnings.warn(f"trajectory text left out: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
