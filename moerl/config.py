@@ -55,6 +55,10 @@ class RunConfig:
     deterministic: bool = False  # deterministic algorithms and orderings (slower, reproducible)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available, else cpu
     log_level: Literal["debug", "info", "warning", "error"] = "info"  # logging verbosity
+    wandb: bool = False  # also log to Weights & Biases (pip install wandb); TensorBoard is always written
+    wandb_project: str = "moerl"  # the W&B project
+    wandb_name: str = ""  # the W&B run name; empty = run.name
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # offline: no network (`wandb sync` later); auto: env
 
 
 @dataclass

@@ -10,6 +10,7 @@ With no `ray.address` (and no RAY_ADDRESS) a local Ray instance is started on 12
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -103,7 +104,8 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
 
 def warm_start(trainer, task: Task, cfg: MoerlConfig, log, stop: Callable[[], bool] = lambda: False) -> bool:
     """Supervised steps on the task's reference answers, so RL starts from a policy that knows the format.
-    Returns False when `stop` cut it short (the run then ends without a checkpoint: nothing RL-trained yet)."""
+    `log(i, metrics)` hears of each step, i from 0. Returns False when `stop` cut it short (the run then ends
+    without a checkpoint: nothing RL-trained yet)."""
     if cfg.train.sft_steps == 0:
         return True
     if not hasattr(task, "sft_example"):
@@ -187,6 +189,10 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             raise PreflightError(f"eval.path: {one_line(e)}") from e
         step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step)
                 if resume else None)
+        if cfg.run.wandb:
+            from moerl.runlog.wandb_log import import_wandb
+
+            import_wandb()  # WandbMissing: one line naming `pip install wandb`
     except BaseException:
         for d in reversed(new_dirs):  # a run that did not start leaves no directory behind (only empty ones go)
             with contextlib.suppress(OSError):
@@ -286,9 +292,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     from moerl.loop.evaluation import Evaluator
     from moerl.loop.samples import SampleBuilder
     from moerl.loop.work_queue import WorkQueue
-    from moerl.runlog.plots import write_plots
-    from moerl.runlog.progress import Progress
-    from moerl.runlog.run_log import RunLog
+    from moerl.runlog.reporter import RunReporter
 
     run_dir = Path(cfg.run.dir)
     task, arch = prepared.task, prepared.arch
@@ -304,7 +308,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     signals = StopSignals().install()  # before Ray starts: a Ctrl-C while it starts is a graceful stop too
     stop = signals.event
     ours = not ray.is_initialized()  # Ray is started (or joined) here, so shut down here, however the run ends
-    log = progress = None
+    report = None
     t_start = time.monotonic()
     last: dict = {}
 
@@ -312,57 +316,67 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         return {"step": step, "steps": cfg.train.steps, "stopped": signals.signum if stop.is_set() else None,
                 "checkpoint_step": checkpointer.latest(), "metrics": dict(last), **extra}
 
-    def log_sft(step: int, metrics: dict) -> None:
-        log.log_step(-cfg.train.sft_steps + step, _scalars(metrics, "sft/"))
-
     try:
+        # the run log, progress lines, plots and W&B; the checkpointer and the rollout pool report through `event`
+        wandb = ({"project": cfg.run.wandb_project, "name": cfg.run.wandb_name or cfg.run.name,
+                  "mode": cfg.run.wandb_mode} if cfg.run.wandb else None)
+        report = RunReporter(run_dir, cfg.train.steps, resume=resuming, wandb=wandb,
+                             config={k: v for k, v in dataclasses.asdict(cfg).items() if k != "launch"})
+        checkpointer.on_event = report.event
+        report.stage(f"run {cfg.run.name}: {cfg.train.steps} RL steps"
+                     + (f" after a {cfg.train.sft_steps}-step warm start" if cfg.train.sft_steps and not resuming
+                        else "") + f"; outputs in {run_dir}")
+        if ours:
+            address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+            report.stage(f"joining Ray at {address}" if address else
+                         f"starting a local Ray ({cfg.ray.num_cpus or 'all'} CPUs)")
         _init_ray(cfg)
         signals.install()  # again: ray.init replaced the SIGTERM handler
-        log = RunLog(run_dir, resume=resuming)
-        progress = Progress(cfg.train.steps)
+        report.stage(f"starting {cfg.train.num_ranks} trainer rank{'s' * (cfg.train.num_ranks > 1)}")
         trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
+        if resuming:
+            report.stage(f"loading checkpoint step {prepared.resume_step} under {cfg.checkpoint_dir()}")
         restored = (checkpointer.restore(trainer, step=prepared.resume_step, verified=True) if resuming else None)
-        if restored is None and not warm_start(trainer, task, cfg, log_sft, stop.is_set):
+        if restored is None and cfg.train.sft_steps and not stop.is_set():
+            report.stage(f"warm start: {cfg.train.sft_steps} supervised steps")
+        if restored is None and not warm_start(trainer, task, cfg,
+                                               lambda i, m: report.warm_start(i, cfg.train.sft_steps, m), stop.is_set):
             return result(0, nothing_trained=True)  # stopped in the warm start: no RL step to save
         if stop.is_set():  # stopped while Ray and the trainer started: nothing new to save
             return result(restored[0], nothing_trained=False) if restored else result(0, nothing_trained=True)
+        report.stage(f"starting {cfg.rollout.num_workers} rollout worker{'s' * (cfg.rollout.num_workers > 1)}")
         queue = WorkQueue(lease_timeout=cfg.rollout.lease_timeout_s, max_attempts=cfg.rollout.max_attempts)
         workers = RayRolloutPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
                                  cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s,
                                  cfg.rollout.heartbeat_timeout_s, cfg.rollout.inflight_groups(),
-                                 cfg.rollout.start_timeout_s)
+                                 cfg.rollout.start_timeout_s, on_event=report.event)
         weights = RayWeightSync(trainer, workers, cfg.weights.transport, cfg.weights.bucket_mb << 20,
                                 cfg.weights.timeout_s)
         builder = SampleBuilder(task, cfg.train.loss.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
-        samples_seen = [0]
 
         def on_step(step: int, metrics: dict, rows: list[dict]) -> None:
-            elapsed = time.monotonic() - t_start
-            samples_seen[0] += metrics.get("samples", 0)
-            metrics["throughput/samples_per_s"] = samples_seen[0] / elapsed
-            log.log_expert_load(step, "rollout", metrics.pop("expert_counts_rollout"))
-            log.log_expert_load(step, "trainer", metrics.pop("expert_counts"))
-            scalars = _scalars(metrics)
-            log.log_step(step, scalars)
-            log.log_trajectories(rows)
-            progress.update(step, scalars)
+            row = report.step(step, metrics, builder.add_text(rows))  # text decoded here: off the trainer's path
             last.clear()
-            last.update(scalars)
+            last.update({k: v for k, v in row.items() if isinstance(v, float)})
 
         def on_eval(step: int, metrics: dict) -> None:  # logged at the step whose weights it evaluated
-            log.log_step(step, metrics)
-            progress.message(_eval_line(step, metrics))
+            report.log_metrics(step, metrics)
+            report.event("eval", _eval_line(step, metrics))
 
         controller = Controller(_loop_config(cfg), task, queue, workers, trainer, weights, builder, on_step,
                                 checkpoints=checkpointer, stop_requested=stop.is_set,
-                                evaluator=Evaluator(plan, workers, on_eval, progress.message) if plan else None,
-                                dynamic=(DynamicSampling(cfg.train.dynamic_sampling_limit(), progress.message)
+                                evaluator=(Evaluator(plan, workers, on_eval, lambda text: report.event("eval", text))
+                                           if plan else None),
+                                dynamic=(DynamicSampling(cfg.train.dynamic_sampling_limit(),
+                                                         lambda text: report.event("dynamic_sampling", text))
                                          if cfg.train.dynamic_sampling else None))
         if restored is not None:
             controller.load_state_dict(restored[1])
-            dropped = log.truncate_after(restored[0])  # steps after the checkpoint are trained (and logged) again
-            progress.message(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}"
-                             + (f"; dropped {dropped} log rows of later steps" if dropped else ""))
+            # steps after the checkpoint are trained (and logged) again
+            dropped = report.log.truncate_after(restored[0])
+            report.stage(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}"
+                         + (f"; dropped {dropped} log rows of later steps" if dropped else ""))
+        report.begin_rl()
         try:
             state = controller.run()
         except TrainerLost as e:
@@ -374,21 +388,15 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         return result(state.step, counters=dict(state.counters), queue=queue.stats(),
                       failed_tasks=[t.task_id for t in queue.failed], weights=dict(weights.stats))
     finally:  # each step runs even when one before it fails (a failing log.close() used to skip ray.shutdown())
-        closers = [("progress", progress.close if progress else None), ("run log", log.close if log else None),
-                   ("plots", (lambda: write_plots(run_dir)) if log else None)]
-        for what, close in closers:
-            try:
-                if close is not None:
-                    close()
-            except Exception as e:  # noqa: BLE001 - the run's outcome (or its exception) is what matters here
-                print(f"warning: {what} not closed cleanly: {type(e).__name__}: {e}")
-        if ours and ray.is_initialized():
-            ray.shutdown()
-        signals.restore()
-
-
-def _scalars(metrics: dict, prefix: str = "") -> dict:
-    return {prefix + k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if report is not None:
+            report.finish()  # never raises; the final plots are written while Ray shuts down
+        try:
+            if ours and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if report is not None:
+                report.close()  # waits for the plots
+            signals.restore()
 
 
 def main(argv: list[str]) -> int:

@@ -7,12 +7,15 @@
     restore():   the newest committed step: trainer state into every rank, controller state returned.
 
 A checkpoint whose upload never finished has no COMMIT and is ignored: the previous one stays `latest`.
+`on_event(kind, text)` hears of each commit ("checkpoint") and each failed save ("warning"); without it a
+failed save is printed.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from typing import Callable
 
 import ray
 
@@ -28,7 +31,8 @@ from moerl.model.config import CheckpointError, MoEModelConfig
 class Checkpointer:
     def __init__(self, root: str, keep: int, arch: MoEModelConfig, fingerprint: dict, use_async: bool = True,
                  dtype: str | None = None, timeout_s: float = 1800.0, max_failures: int = 3,
-                 serving_files: dict[str, bytes] | None = None) -> None:
+                 serving_files: dict[str, bytes] | None = None,
+                 on_event: Callable[[str, str], None] | None = None) -> None:
         self.store, self.keep, self.arch, self.fingerprint = CheckpointStore(root), keep, arch, fingerprint
         self.dtype = dtype  # the run's compute dtype, recorded for `moerl export`
         self.serving_files = dict(serving_files or {})  # tokenizer files + generation_config.json, for `moerl export`
@@ -37,6 +41,7 @@ class Checkpointer:
         self.pending: tuple[int, list] | None = None  # (step, trainer save refs) awaiting commit
         self.failures = 0  # consecutive failed saves; a committed one resets it
         self.failed_total = 0
+        self.on_event = on_event
 
     def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
         """Start saving `step`. A save that fails is counted and training goes on (the next interval tries
@@ -67,8 +72,12 @@ class Checkpointer:
         message = f"checkpoint step {step} to {where} failed: {type(error).__name__}: {cause}{_free_space(where)}"
         if self.failures >= self.max_failures:
             raise CheckpointError(f"{message}; {self.failures} saves in a row failed (checkpoint.max_failures)")
-        print(f"warning: {message}; training goes on, the next save tries again "
-              f"({self.failures} of checkpoint.max_failures={self.max_failures} in a row)", flush=True)
+        message += (f"; training goes on, the next save tries again "
+                    f"({self.failures} of checkpoint.max_failures={self.max_failures} in a row)")
+        if self.on_event is not None:
+            self.on_event("warning", message)
+        else:
+            print(f"warning: {message}", flush=True)
 
     def poll(self) -> int | None:
         """Commit the pending checkpoint if its uploads are done; returns the committed step."""
@@ -94,6 +103,8 @@ class Checkpointer:
             self._failed(step, e)
             return None
         self.failures = 0
+        if self.on_event is not None:
+            self.on_event("checkpoint", f"checkpoint step {step} saved to {self.store.step_path(step)}")
         return step
 
     def latest(self) -> int | None:

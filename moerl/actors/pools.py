@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -122,15 +123,21 @@ class _Worker:
     where: object = None  # its Location (node, GPUs), from its first ping: which weight forms it can take
     held: bool = False  # running an eval (moerl/loop/evaluation.py): no leases, no new weights
     rejoining: bool = False  # back from an eval: catching up to the newest weights before it leases again
+    lost_reason: str = ""  # why it is about to be removed (said in the "worker lost" event)
 
 
 class RayRolloutPool:
-    """M rollout workers; dead ones are removed and replaced while capacity allows."""
+    """M rollout workers; dead ones are removed and replaced while capacity allows.
+
+    on_event(kind, text), kind "worker" or "warning": a worker up, lost, retired or replaced, one line each
+    (the run log prints them; moerl/runlog/reporter.py)."""
 
     def __init__(self, spec: WorkerSpec, target: int, cpus_per_worker: float, gpus_per_worker: float,
                  queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
-                 max_inflight_groups: int = 8, start_timeout_s: float = 600.0) -> None:
+                 max_inflight_groups: int = 8, start_timeout_s: float = 600.0,
+                 on_event: Callable[[str, str], None] | None = None) -> None:
         self.spec, self.target, self.queue = spec, target, queue
+        self.on_event = on_event or (lambda kind, text: None)
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.start_timeout_s = start_timeout_s  # a worker not up by then (placed and built) is a failed start
         self.max_start_failures = 3  # workers in a row whose constructor raised: a setup error, stop the run
@@ -189,6 +196,8 @@ class RayRolloutPool:
                 out.append((ref, ray.get(ref), None))
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.ObjectLostError) as e:
+                if worker is not None:
+                    worker.lost_reason = worker.lost_reason or f"died ({type(e).__name__})"
                 out.append((ref, None, e))
         return out
 
@@ -200,6 +209,10 @@ class RayRolloutPool:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return False
+        if w.leaving:
+            self.on_event("worker", f"rollout worker {worker_id} retired (preempted; its work was handed back)")
+        else:
+            self.on_event("worker", f"rollout worker {worker_id} lost: {w.lost_reason or 'removed'}")
         try:
             ray.kill(w.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
@@ -216,11 +229,13 @@ class RayRolloutPool:
                     try:
                         answer = ray.get(w.ping_ref)
                         if isinstance(answer, dict) and answer.get("stalled_s", 0.0) > self.heartbeat_timeout_s:
+                            w.lost_reason = f"its engine is stuck in one step for {answer['stalled_s']:.0f} s"
                             lost.append(worker_id)  # alive but its engine is stuck in one step: replace it
                             continue
                         w.last_ok = now
                         self.queue.heartbeat(worker_id, now)
                     except ray.exceptions.RayError as e:
+                        w.lost_reason = f"{'failed to start' if not w.started else 'died'} ({type(e).__name__})"
                         if not w.started:
                             self._start_failed(worker_id, e)
                         lost.append(worker_id)
@@ -234,16 +249,22 @@ class RayRolloutPool:
                                       if self.weights is not None else None)
                         if w.ping_ref is None:
                             if not w.started:
-                                self._start_failures = 0
+                                self._started(worker_id, w)
                             w.started, w.rejoining = True, False
             if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
                 w.ping_ref = w.handle.ping.remote()
             if now - w.last_ok > (self.heartbeat_timeout_s if w.started else self.start_timeout_s):
+                w.lost_reason = (f"no heartbeat for {now - w.last_ok:.0f} s" if w.started else
+                                 f"did not start within {self.start_timeout_s:.0f} s (rollout.start_timeout_s)")
                 if not w.started:  # never came up: counted, so a worker that can never start ends the run
                     self._start_failed(worker_id, TimeoutError(
                         f"did not start within {self.start_timeout_s:.0f} s (rollout.start_timeout_s)"))
                 lost.append(worker_id)
         return lost
+
+    def _started(self, worker_id: str, w: _Worker) -> None:
+        w.started, self._start_failures = True, 0
+        self.on_event("worker", f"rollout worker {worker_id} up ({self.alive()}/{self.target})")
 
     def _start_failed(self, worker_id: str, error: Exception) -> None:
         """A worker that died in its constructor (or refused its first weights) before it ever started;
@@ -263,7 +284,8 @@ class RayRolloutPool:
         for worker_id in retired:
             self.remove(worker_id)
         while len(self.workers) < self.target:
-            self._spawn()
+            self.on_event("worker", f"starting rollout worker {self._spawn()} to replace a lost one "
+                          f"({self.alive()}/{self.target} up)")
         return retired
 
     def preempt_all(self) -> None:

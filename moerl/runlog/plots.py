@@ -1,7 +1,8 @@
 """PNG plots of a run, from `<run_dir>/metrics.jsonl` and `<run_dir>/expert_load.json`.
 
     reward.png               reward/mean per step, its rolling mean, eval/reward when logged
-    throughput.png           samples/s (+ staleness on a second axis) and tokens/s, when logged
+    throughput.png           samples/s and tokens/s over a window of recent steps (from each row's `time`, `samples`
+                             and `tokens`), the run's average dashed; staleness below
     step_time.png            each step's wall time by the controller's phases, in percent (moerl/loop/phases.py)
     expert_load_rollout.png  heatmap layers x experts: fraction of routed tokens per expert
     expert_load_trainer.png  the same for the trainer's forward passes
@@ -9,12 +10,17 @@
 matplotlib is imported lazily and used without pyplot (Agg canvas, no global backend change), so this
 runs headless and from any thread. A plot whose data is missing is skipped; a step logged twice (a
 resumed run redoing steps) counts with its last values. Files are replaced atomically.
+
+`PlotWriter` writes them on a background thread while the run goes on (and loads matplotlib, building its
+font cache on a fresh machine, while the run starts), so that the end of a run only renders the last state.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +33,8 @@ SAMPLES_PER_S_KEY = "throughput/samples_per_s"
 TOKENS_PER_S_KEY = "throughput/tokens_per_s"
 STALENESS_KEY = "staleness/mean"
 STALENESS_MAX_KEY = "staleness/max"
+SAMPLES_KEY = "samples"  # samples trained in the step
+TOKENS_KEY = "tokens"  # completion tokens trained in the step
 
 _DPI = 110
 
@@ -67,12 +75,16 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
 def _metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl rows sorted by step; the lines of one step merged, a later line's value winning (an eval
-    logs its own line at the step it evaluated)."""
+    logs its own line at the step it evaluated). A step's `time` is that of its training line (the one with
+    `samples`): an eval's line, logged later, must not move it (the throughput plot divides by it)."""
     by_step: dict[int, dict[str, Any]] = {}
     for row in read_jsonl(run_dir / METRICS_FILE, strict=False, missing_ok=True):
         step = row.get("step")
         if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step):
-            by_step.setdefault(int(step), {}).update(row)
+            merged = by_step.setdefault(int(step), {})
+            if "time" in merged and SAMPLES_KEY not in row:
+                row = {k: v for k, v in row.items() if k != "time"}
+            merged.update(row)
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -97,6 +109,15 @@ def _rolling_mean(values: list[float], window: int) -> list[float]:
     for i in range(len(values)):
         vals = [v for v in values[max(0, i - window + 1): i + 1] if math.isfinite(v)]
         out.append(sum(vals) / len(vals) if vals else math.nan)
+    return out
+
+
+def _rolling_max(values: list[float], window: int) -> list[float]:
+    """Trailing max over the finite values of the last `window` points (NaN if none)."""
+    out = []
+    for i in range(len(values)):
+        vals = [v for v in values[max(0, i - window + 1): i + 1] if math.isfinite(v)]
+        out.append(max(vals) if vals else math.nan)
     return out
 
 
@@ -158,40 +179,85 @@ def _reward_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
     return fig
 
 
+def throughput_window(n: int) -> int:
+    """Steps the throughput plot averages over, for a run of `n` logged steps: a twentieth of it, 5 to 50."""
+    return max(5, min(50, n // 20))
+
+
+def _windowed_rate(rows: list[dict[str, Any]], key: str, window: int) -> tuple[list[int], list[float], float] | None:
+    """(steps, rate over the last `window` steps, the run's average rate) of a per-step count `key`, from the
+    rows' `time` (the time a step was logged). A step's rate: its count and the previous window-1 steps' counts
+    over the time since the step before them; the first row only starts the clock."""
+    points = [(int(r["step"]), float(r["time"]), r.get(key)) for r in rows
+              if r.get("step", 0) > 0 and isinstance(r.get("time"), (int, float))]
+    if len(points) < 2 or not any(isinstance(c, (int, float)) and not isinstance(c, bool) for _, _, c in points[1:]):
+        return None
+    counts = [float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) else 0.0
+              for _, _, c in points]
+    steps, rates = [], []
+    for i in range(1, len(points)):
+        j = max(0, i - window)
+        dt = points[i][1] - points[j][1]
+        steps.append(points[i][0])
+        rates.append(sum(counts[j + 1: i + 1]) / dt if dt > 0 else math.nan)
+    total_dt = points[-1][1] - points[0][1]
+    average = sum(counts[1:]) / total_dt if total_dt > 0 else math.nan
+    if not any(math.isfinite(r) for r in rates):
+        return None
+    return steps, rates, average
+
+
 def _throughput_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
-    samples = _series(rows, SAMPLES_PER_S_KEY)
-    tokens = _series(rows, TOKENS_PER_S_KEY)
-    panels = [(k, s, label, color) for k, s, label, color in (
-        (SAMPLES_PER_S_KEY, samples, "samples/s", "tab:green"),
-        (TOKENS_PER_S_KEY, tokens, "tokens/s", "tab:purple"),
-    ) if s is not None]
+    window = throughput_window(len(rows))
+    panels = []
+    for key, metric, label, color in ((SAMPLES_KEY, SAMPLES_PER_S_KEY, "samples/s", "tab:green"),
+                                      (TOKENS_KEY, TOKENS_PER_S_KEY, "tokens/s", "tab:purple")):
+        rate = _windowed_rate(rows, key, window)
+        if rate is None and (logged := _series(rows, metric)) is not None:  # no counts: the rate as logged
+            rate = (*logged, math.nan)
+        if rate is not None:
+            panels.append((rate, label, color))
     if not panels:
         return None
     staleness = _series(rows, STALENESS_KEY)
     staleness_max = _series(rows, STALENESS_MAX_KEY)
-    fig, axes = _new_figure(8, 3.2 * len(panels) + 0.6, nrows=len(panels))
-    for ax, (_, (steps, values), label, color) in zip(axes, panels):
-        ax.plot(steps, values, color=color, lw=1.5, marker=_marker(len(steps)), ms=3, label=label)
+    nrows = len(panels) + (staleness is not None or staleness_max is not None)
+    fig, axes = _new_figure(8, 2.6 * nrows + 0.6, nrows=nrows)
+    all_steps = [s for (steps, _, _), _, _ in panels for s in steps]
+    for ax, ((steps, values, average), label, color) in zip(axes, panels):
+        ax.plot(steps, values, color=color, lw=1.5, marker=_marker(len(steps)), ms=3,
+                label=f"{label}, last {window} steps")
+        if math.isfinite(average):
+            ax.axhline(average, color=color, lw=1, ls="--", alpha=0.6, label=f"run average {average:.3g}")
         ax.set_ylabel(label, color=color)
-        ax.set_ylim(bottom=0)
-        _style_step_axis(ax, _all_steps(samples, tokens))
-    ax0 = axes[0]
-    handles, labels = ax0.get_legend_handles_labels()
-    if staleness is not None or staleness_max is not None:
-        ax2 = ax0.twinx()
+        _zero_based(ax, values + [average])
+        _style_step_axis(ax, all_steps)
+        ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    if nrows > len(panels):
+        ax = axes[-1]
+        top = 0.0
         if staleness is not None:
-            ax2.plot(*staleness, color="tab:red", lw=1.2, ls="--", marker=_marker(len(staleness[0])), ms=3,
-                     label="staleness (mean)")
+            ax.plot(staleness[0], _rolling_mean(staleness[1], window), color="tab:red", lw=1.2,
+                    label=f"mean, last {window} steps")
+            top = max(top, max(v for v in staleness[1] if math.isfinite(v)))
         if staleness_max is not None:
-            ax2.plot(*staleness_max, color="tab:red", lw=0.8, ls=":", alpha=0.7, label="staleness (max)")
-        ax2.set_ylabel("staleness (policy versions)", color="tab:red")
-        ax2.set_ylim(bottom=0)
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    ax0.legend(handles, labels, loc="best", fontsize=9)
-    ax0.set_title(f"Throughput — {run_name}")
+            ax.plot(staleness_max[0], _rolling_max(staleness_max[1], window), color="tab:red", lw=0.9, ls=":",
+                    label=f"max, last {window} steps")
+            top = max(top, max(v for v in staleness_max[1] if math.isfinite(v)))
+        ax.set_ylim(0, max(top, 1.0) * 1.15)  # a flat line at the maximum stays inside the frame
+        ax.set_ylabel("staleness\n(policy versions)", color="tab:red")
+        _style_step_axis(ax, all_steps + _all_steps(staleness, staleness_max))
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    axes[0].set_title(f"Throughput over the last {window} steps — {run_name}")
     axes[-1].set_xlabel("trainer step")
     return fig
+
+
+def _zero_based(ax: Any, values: list[float]) -> None:
+    """y from 0 to 15% above the largest value: a flat line is drawn inside the frame, never on its edge."""
+    finite = [v for v in values if math.isfinite(v)]
+    top = max(finite, default=0.0)
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
 
 
 def _step_time_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
@@ -279,3 +345,84 @@ def _save(fig: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png", dpi=_DPI)
     os.replace(tmp, path)
+
+
+class PlotWriter:
+    """Writes the run's plots on a background thread (see the module docstring).
+
+    The thread first loads matplotlib and renders a throwaway figure (on a fresh machine its font cache is
+    built then, which can take tens of seconds), then rewrites the plots every `every_s` seconds while
+    metrics.jsonl grows, spending at most about `max_share` of one core on it. `finish()` has it write the
+    final plots (after the write in progress, if any) while the caller goes on; `close()` waits for them.
+    """
+
+    def __init__(self, run_dir: str | Path, every_s: float = 60.0, max_share: float = 0.05) -> None:
+        self.run_dir = Path(run_dir)
+        self.every_s, self.max_share = float(every_s), float(max_share)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._final: list[Path] | None = None
+        self._final_warnings: list[warnings.WarningMessage] = []
+        self.writes = 0  # background writes done, the final one included
+        self.render_s = 0.0  # the last write's duration
+
+    def start(self) -> PlotWriter:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="moerl-plots", daemon=True)
+            self._thread.start()
+        return self
+
+    def finish(self) -> None:
+        """The run is over: write the final plots, on the thread when it runs (returns at once)."""
+        self._stop.set()
+
+    def close(self) -> list[Path]:
+        """Wait for the final plots (writing them here when the thread never ran); returns the paths written."""
+        self.finish()
+        if self._thread is not None:
+            self._thread.join()
+        if self._final is None:
+            self._final = write_plots(self.run_dir)
+        for w in self._final_warnings:  # the thread's warnings, said on the caller's thread
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self._final_warnings = []
+        return self._final
+
+    def _write(self) -> list[Path]:
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            paths = write_plots(self.run_dir)
+        self.writes += 1
+        self.render_s = time.monotonic() - t0
+        if self._stop.is_set():
+            self._final_warnings = list(caught)
+        return paths
+
+    def _run(self) -> None:
+        try:
+            _warm_up()
+        except Exception:  # noqa: BLE001 - matplotlib missing or broken: the final write says so
+            return
+        seen = None
+        interval = self.every_s
+        while not self._stop.wait(interval):
+            try:
+                stat = (self.run_dir / METRICS_FILE).stat()
+            except OSError:
+                continue
+            if (stat.st_size, stat.st_mtime_ns) == seen:
+                continue
+            seen = (stat.st_size, stat.st_mtime_ns)
+            self._write()
+            interval = max(self.every_s, self.render_s / max(self.max_share, 1e-3))
+        self._final = self._write()
+
+
+def _warm_up() -> None:
+    """Import matplotlib and draw text once: loads (on a fresh machine, builds) the font cache."""
+    import io
+
+    fig, (ax,) = _new_figure(1, 1)
+    ax.set_title("warm-up")
+    fig.savefig(io.BytesIO(), format="png")

@@ -1,17 +1,26 @@
-"""The live progress line of `moerl train`:
+"""What `moerl train` prints while it runs: stage lines during start-up, the warm start's progress, the live
+progress line of the RL steps, and events as lines of their own:
 
-    step 12/50 | reward 0.41 | 38.2 samples/s | staleness 0.8 | queue 5 | workers 2/2 | 0:01:13
+    [0:00:00] starting Ray (local, 2 CPUs)
+    [0:00:04] Ray up; starting 1 trainer rank
+    warm start 40/40 | loss/sft 0.412 | 0:00:21
+    [0:00:22] rollout worker rollout-0 up (1/2)
+    step 12/50 | reward 0.41 | 38.2 samples/s | staleness 0.8 | queue 5 | workers 2/2 | 0:01:13 | eta 0:02:41
+    [0:01:20] checkpoint step 20 saved to runs/demo/checkpoints/step-20
 
-On a terminal the line is rewritten in place (`\\r`). Elsewhere (CI, a log file) a full line is printed
-at most every `log_interval_s` seconds (and at most once per step), plus the first and the last step, so
-logs stay readable. Fields whose metric is missing are left out.
+On a terminal the live line is rewritten in place (`\\r`) and stage and event lines are printed above it. Elsewhere
+(CI, a log file) a full line is printed at most every `log_interval_s` seconds (and at most once per step),
+plus the first and the last step, so logs stay readable; stage and event lines always. Fields whose metric is
+missing are left out. The ETA is the remaining steps at the rate of the last `eta_window` steps.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Mapping, TextIO
 
@@ -58,8 +67,9 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed_s: float) -> str:
-    """One progress line; fields whose metric is missing are left out."""
+def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed_s: float,
+                eta_s: float | None = None) -> str:
+    """One progress line; fields whose metric is missing are left out, and so is an unknown ETA."""
     parts = [f"step {step}/{total_steps}"]
     if REWARD_KEY in metrics:
         parts.append(f"reward {_fmt_float(_number(metrics, REWARD_KEY), '.3g')}")
@@ -82,6 +92,21 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed
         if shares:
             parts.append(f"{step_s:.2g}s: " + " ".join(f"{short} {100 * frac:.0f}%" for frac, short in shares))
     parts.append(format_duration(elapsed_s))
+    if eta_s is not None and math.isfinite(eta_s) and step < total_steps:
+        parts.append(f"eta {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def format_warm_start(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed_s: float,
+                      eta_s: float | None = None) -> str:
+    """The warm start's progress line: its step and its losses (`loss/...` or `sft/loss/...` keys)."""
+    parts = [f"warm start {step}/{total_steps}"]
+    for key in metrics:
+        if key.removeprefix("sft/").startswith("loss/"):
+            parts.append(f"{key.removeprefix('sft/')} {_fmt_float(_number(metrics, key), '.3g')}")
+    parts.append(format_duration(elapsed_s))
+    if eta_s is not None and math.isfinite(eta_s) and step < total_steps:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
 
 
@@ -94,7 +119,7 @@ def _is_tty(stream: TextIO) -> bool:
 
 
 class Progress:
-    """Live progress of a run of `total_steps` trainer steps on `stream` (None: silent).
+    """Live progress of a run of `total_steps` trainer steps on `stream` (None: silent). Thread-safe.
 
     `tty` overrides the stream's isatty(); `clock` (monotonic seconds) is for tests.
     """
@@ -107,6 +132,7 @@ class Progress:
         log_interval_s: float = 30.0,
         tty: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        eta_window: int = 20,
     ) -> None:
         self.total_steps = int(total_steps)
         self.stream = stream
@@ -114,68 +140,105 @@ class Progress:
         self.tty = (_is_tty(stream) if stream is not None else False) if tty is None else tty
         self._clock = clock
         self._t0 = clock()
+        self._lock = threading.RLock()
         self._last_print: float | None = None
-        self._last_printed_step: int | None = None
+        self._last_printed: tuple[str, int] | None = None  # (phase, step) of the last line printed (non-TTY)
         self._pending: str | None = None  # the newest line not printed yet (non-TTY)
         self._shown_len = 0  # length of the line now on the terminal (TTY)
         self._closed = False
+        self._recent: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=max(2, eta_window + 1))
         self.last_line = ""
 
     def elapsed(self) -> float:
         return self._clock() - self._t0
 
+    def eta(self, phase: str, step: int, total: int) -> float | None:
+        """Seconds left at the rate of the recent steps of `phase`; None until two steps have been seen."""
+        points = [(s, t) for p, s, t in self._recent if p == phase]
+        if len(points) < 2 or points[-1][0] <= points[0][0] or points[-1][1] <= points[0][1]:
+            return None
+        (s0, t0), (s1, t1) = points[0], points[-1]
+        return max(0, total - step) * (t1 - t0) / (s1 - s0)
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> str:
-        """Show the state after `step`; returns the line (printed or not)."""
-        line = format_line(step, self.total_steps, metrics, self.elapsed())
-        self.last_line = line
-        if self.stream is None or self._closed:
+        """Show the state after RL step `step`; returns the line (printed or not)."""
+        with self._lock:
+            self._recent.append(("rl", step, self._clock()))
+            line = format_line(step, self.total_steps, metrics, self.elapsed(),
+                               self.eta("rl", step, self.total_steps))
+            self._show("rl", step, step >= self.total_steps, line)
             return line
-        if self.tty:
-            self._draw(line)
+
+    def warm_start(self, step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
+        """Show the supervised warm start after its step `step` (1-based) of `total_steps`; the last one stays."""
+        with self._lock:
+            self._recent.append(("sft", step, self._clock()))
+            line = format_warm_start(step, total_steps, metrics, self.elapsed(), self.eta("sft", step, total_steps))
+            self._show("sft", step, step >= total_steps, line)
+            if step >= total_steps:
+                self._end_live_line()
             return line
-        now = self._clock()
-        due = (
-            self._last_print is None
-            or step >= self.total_steps
-            or now - self._last_print >= self.log_interval_s
-        )
-        if due and step != self._last_printed_step:
-            self._write(line + "\n")
-            self._last_print, self._last_printed_step, self._pending = now, step, None
-        else:
-            self._pending = line
-        return line
 
     def message(self, text: str) -> None:
         """Print a log message without garbling the live line (it is redrawn below the message)."""
-        if self.stream is None:
-            return
-        if self.tty and self._shown_len:
-            self._write("\r" + " " * self._shown_len + "\r" + text + "\n")
-            line, self._shown_len = self.last_line, 0
-            if not self._closed and line:
-                self._draw(line)
-        else:
-            self._write(text + "\n")
+        with self._lock:
+            if self.stream is None:
+                return
+            if self.tty and self._shown_len:
+                self._write("\r" + " " * self._shown_len + "\r" + text + "\n")
+                line, self._shown_len = self.last_line, 0
+                if not self._closed and line:
+                    self._draw(line)
+            else:
+                self._write(text + "\n")
+
+    def stage(self, text: str) -> None:
+        """A line saying what the run does now (start-up) or what just happened (an event), with the time."""
+        self.message(f"[{format_duration(self.elapsed())}] {text}")
 
     def close(self) -> None:
         """End the live line (TTY) or print the last state not yet printed (non-TTY). Idempotent."""
-        if self._closed or self.stream is None:
+        with self._lock:
+            if self._closed or self.stream is None:
+                self._closed = True
+                return
             self._closed = True
-            return
-        self._closed = True
-        if self.tty:
-            if self._shown_len:
-                self._write("\n")
-        elif self._pending is not None:
-            self._write(self._pending + "\n")
-            self._pending = None
+            if self.tty:
+                if self._shown_len:
+                    self._write("\n")
+                    self._shown_len = 0
+            elif self._pending is not None:
+                self._write(self._pending + "\n")
+                self._pending = None
 
     def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _show(self, phase: str, step: int, final: bool, line: str) -> None:
+        self.last_line = line
+        if self.stream is None or self._closed:
+            return
+        if self.tty:
+            self._draw(line)
+            return
+        now = self._clock()
+        due = (self._last_print is None or final or now - self._last_print >= self.log_interval_s
+               or (self._last_printed is not None and self._last_printed[0] != phase))
+        if due and (phase, step) != self._last_printed:
+            self._write(line + "\n")
+            self._last_print, self._last_printed, self._pending = now, (phase, step), None
+        else:
+            self._pending = line
+
+    def _end_live_line(self) -> None:
+        """Keep the line on the terminal as it is and start the next one below it (the end of a phase)."""
+        if self.tty and self._shown_len and self.stream is not None:
+            self._write("\n")
+        self._shown_len, self._pending, self.last_line = 0, None, ""
+        self._last_print = None  # the next phase's first line is printed at once
 
     def _draw(self, line: str) -> None:
         width = self._terminal_width()
@@ -197,4 +260,3 @@ class Progress:
             self.stream.flush()  # type: ignore[union-attr]
         except (OSError, ValueError):  # a closed or broken stream must not fail the run
             pass
-
