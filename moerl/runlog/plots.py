@@ -208,7 +208,7 @@ def _windowed_rate(rows: list[dict[str, Any]], key: str, window: int) -> tuple[l
 
 
 def _throughput_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
-    window = throughput_window(len(rows))
+    window = throughput_window(sum(1 for r in rows if r.get("step", 0) > 0))  # RL steps (not the warm start's)
     panels = []
     for key, metric, label, color in ((SAMPLES_KEY, SAMPLES_PER_S_KEY, "samples/s", "tab:green"),
                                       (TOKENS_KEY, TOKENS_PER_S_KEY, "tokens/s", "tab:purple")):
@@ -247,7 +247,7 @@ def _throughput_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
         ax.set_ylim(0, max(top, 1.0) * 1.15)  # a flat line at the maximum stays inside the frame
         ax.set_ylabel("staleness\n(policy versions)", color="tab:red")
         _style_step_axis(ax, all_steps + _all_steps(staleness, staleness_max))
-        ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+        ax.legend(loc="best", fontsize=8, framealpha=0.9)
     axes[0].set_title(f"Throughput over the last {window} steps — {run_name}")
     axes[-1].set_xlabel("trainer step")
     return fig
