@@ -70,7 +70,7 @@ class SampleBuilder:
         return samples, rows, stats
 
     def add_text(self, rows: list[dict]) -> list[dict]:
-        """Fill in each row's `prompt`, `completion` (decoded up to EOS with the task's tokenizer) and
+        """Fill in each row's `prompt`, `completion` (decoded with the task's tokenizer up to its first stop token) and
         `answer`, in place, before its ids; returns the rows. A task or tokenizer that raises leaves the
         fields None (with one warning): the run log must never fail the run."""
         prompts: dict[int, tuple[str | None, str | None]] = {}
