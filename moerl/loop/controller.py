@@ -162,6 +162,7 @@ class Controller:
             elif result.status == "error":
                 if self.queue.fail(task_id, worker_id, result.error or "unknown error", now) == "failed":
                     self.state.counters["groups_failed"] += 1
+                    self.state.leased_total -= 1  # never trained: its gate slot goes back (see _take_batch)
             elif self.queue.complete(task_id, worker_id, now):
                 self.state.counters["groups_done"] += 1
                 self._accept(result)
@@ -208,6 +209,10 @@ class Controller:
                     self.state.counters["stale_regenerated"] += 1
                 else:
                     self.state.counters["stale_dropped"] += 1
+                    # Its gate slot goes back, so one more prompt is leased: without it every drop shrinks the
+                    # gate's slack for good, and after max_staleness x batch_groups of them the gate stays shut
+                    # with less than a batch ready (the demo hung at step 302 after 12 drops).
+                    self.state.leased_total -= 1
                 continue
             kept.append(result)
         self.state.ready = kept

@@ -252,6 +252,26 @@ def test_stale_group_is_regenerated_from_its_own_prompt():
     assert fresh.partials == [None, None] and fresh.attempts == 0
 
 
+def test_dropped_and_failed_groups_give_their_gate_slots_back():
+    """Regression: a stale group dropped (or a group that failed for good) kept its slot in the lease gate, so
+    after max_staleness x batch_groups of them the gate stayed shut with less than a batch ready: a hang."""
+    ctl, queue, pool = controller(workers=("w0",), batch_groups=2, max_staleness=0, steps=2,
+                                  max_inflight_per_worker=100)
+    ctl._lease_and_dispatch()
+    assert len(pool.dispatched) == 2  # (version + max_staleness + 1) x batch_groups
+    pool.results = [(ref, ok(t.task_id, w, t.prompt_index, version=-1), None) for ref, w, t in pool.dispatched]
+    ctl._collect(timeout=0)
+    assert ctl._take_batch() is None and ctl.state.counters["stale_dropped"] == 2
+    ctl._lease_and_dispatch()
+    assert len(pool.dispatched) == 4, "the dropped groups' slots were not given back"
+    for attempt in range(2):  # max_attempts=2: the second error fails the group for good
+        ref, w, t = pool.dispatched[-1]
+        pool.results = [(ref, GroupResult(t.task_id, t.prompt_index, w, "error", error="boom"), None)]
+        ctl._collect(timeout=0)
+        ctl._lease_and_dispatch()
+    assert ctl.state.counters["groups_failed"] == 1 and len(pool.dispatched) == 6  # a retry, then a new prompt
+
+
 class NamedTask(ArithmeticTask):
     """A custom task whose ids do not end in digits (they name the problem)."""
 
