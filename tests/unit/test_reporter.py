@@ -90,8 +90,9 @@ def test_rows_expert_counts_events_and_eval_lines(tmp_path: Path) -> None:
     assert out[1].startswith("warm start 1/2 | loss/sft 2 | 0:00:03")
     assert out[2].startswith("warm start 2/2 | loss/sft 1 | 0:00:03")
     assert out[3].startswith("step 1/10 | reward 0.5 |")
-    assert out[4:7] == ["[0:00:04] eval at step 0: reward 0.250", "[0:00:04] checkpoint step 1 saved to "
-                        "/ckpt/step-1", "[0:00:04] warning: checkpoint step 2 failed"]
+    assert out[4:7] == ["[0:00:04] eval at step 0: reward 0.250",
+                        "[0:00:04] checkpoint step 1 saved to /ckpt/step-1",
+                        "[0:00:04] warning: checkpoint step 2 failed"]
     assert out[-1].startswith(f"[0:00:04] outputs in {tmp_path} (closed in")
     assert [k for k, _ in report.events] == ["eval", "checkpoint", "warning"]
     metrics = read_jsonl(tmp_path / "metrics.jsonl")

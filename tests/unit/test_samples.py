@@ -80,7 +80,7 @@ def test_health_metrics_and_trajectory_text():
               _group(2, ["x", "y", "z"], [0.0, 0.0, None]),         # all equal (one failed sample left out)
               _group(3, ["abcd", "abcd", "abcd"], [0.5, 0.5, 0.5], finish="length")]  # all equal, clipped
     builder = SampleBuilder(_EchoTask(), True, 0, 1)
-    samples, rows, stats = builder.build(groups, step=4, version=4)
+    _, rows, stats = builder.build(groups, step=4, version=4)
     assert stats["reward/group_std"] == pytest.approx((2 ** 0.5 / 3) / 3)  # mean over the 3 groups
     assert stats["reward/all_equal_frac"] == pytest.approx(2 / 3)
     assert stats["length/max"] == 4 and stats["length/mean"] == pytest.approx((3 + 2 + 3 + 2 + 2 + 12) / 8)
