@@ -2,7 +2,8 @@
 
 from moerl.rollout.async_engine import AsyncEngine
 from moerl.rollout.engine import Engine, EngineConfig
+from moerl.rollout.engine_group import EngineGroup
 from moerl.rollout.sampling import SamplingParams
 from moerl.rollout.types import Completion, StepOutput
 
-__all__ = ["AsyncEngine", "Completion", "Engine", "EngineConfig", "SamplingParams", "StepOutput"]
+__all__ = ["AsyncEngine", "Completion", "Engine", "EngineConfig", "EngineGroup", "SamplingParams", "StepOutput"]

@@ -245,19 +245,31 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """One scheduling step: admit, prefill chunks, one decode forward. Returns per-request deltas."""
+        """One scheduling step: admit, prefill chunks, one decode forward. Returns per-request deltas.
+
+        Written as phases (start_step, prefill_batches/run_prefill, decode_batch/run_decode, finish) so that an
+        expert-parallel engine group (engine_group.py) can run the same step with its forwards in lockstep."""
+        outputs = self.start_step()
+        for n, reqs in self.prefill_batches():
+            self.run_prefill(reqs, n, outputs)
+        self.finish(outputs)  # before decode: their blocks are free for it, and no finished request is preempted
+        reqs = self.decode_batch()
+        if reqs:
+            self.run_decode(reqs, outputs)
+        self.finish(outputs)
+        return list(outputs.values())
+
+    def start_step(self) -> dict[str, StepOutput]:
+        """Admit waiting requests; the outputs of this step so far (requests that finished at submit)."""
         self._admit()
         outputs: dict[str, StepOutput] = {}
         finished, self._finished_at_submit = self._finished_at_submit, []
         for req in finished:
             outputs[req.id] = StepOutput(req.id, [], [], self._release(req))
-        self._prefill(outputs)
-        self._finish(outputs)  # before decode: their blocks are free for it, and no finished request is preempted
-        self._decode(outputs)
-        self._finish(outputs)
-        return list(outputs.values())
+        return outputs
 
-    def _finish(self, outputs: dict[str, StepOutput]) -> None:
+    def finish(self, outputs: dict[str, StepOutput]) -> None:
+        """Release the running requests that finished, into `outputs`."""
         for req in [r for r in self.running.values() if r.finish_reason]:
             outputs.setdefault(req.id, StepOutput(req.id, [], [])).completion = self._release(req)
 
@@ -282,7 +294,8 @@ class Engine:
             self.running[req.id] = req
             self.stats["prefix_hit_tokens"] += req.num_computed
 
-    def _prefill(self, outputs: dict[str, StepOutput]) -> None:
+    def prefill_batches(self) -> list[tuple[int, list[_Request]]]:
+        """This step's prefill forwards: (chunk length n, requests) per forward, within max_prefill_tokens."""
         budget = self.config.max_prefill_tokens
         todo = [r for r in self.running.values() if r.pending > 1 or r.num_computed == 0]
         groups: dict[int, list[_Request]] = {}
@@ -292,10 +305,10 @@ class Engine:
                 break
             budget -= n
             groups.setdefault(n, []).append(req)
-        for n, reqs in groups.items():
-            self._prefill_group(reqs, n, outputs)
+        return list(groups.items())
 
-    def _prefill_group(self, reqs: list[_Request], n: int, outputs: dict[str, StepOutput]) -> None:
+    def run_prefill(self, reqs: list[_Request], n: int, outputs: dict[str, StepOutput]) -> None:
+        """One prefill forward: the next n tokens of each of reqs."""
         dev = self.device
         pos_BT = torch.tensor([r.num_computed for r in reqs])[:, None] + torch.arange(n)[None, :]
         ids_BT = torch.tensor([r.tokens[r.num_computed: r.num_computed + n] for r in reqs], device=dev)
@@ -313,11 +326,14 @@ class Engine:
             idx = torch.tensor(ready, device=dev)
             self._sample_and_append([reqs[i] for i in ready], out.logits_BTV[idx, -1], outputs)
 
-    def _decode(self, outputs: dict[str, StepOutput]) -> None:
-        reqs = self._make_room([r for r in self.running.values()
+    def decode_batch(self) -> list[_Request]:
+        """The requests this step decodes (one uncomputed token each), with a block for their next position
+        (making room may preempt the newest running requests)."""
+        return self._make_room([r for r in self.running.values()
                                 if r.pending == 1 and r.num_computed > 0 and not r.finish_reason])
-        if not reqs:
-            return
+
+    def run_decode(self, reqs: list[_Request], outputs: dict[str, StepOutput]) -> None:
+        """One decode forward over reqs (not empty): sample each one's next token."""
         n = max(r.slot for r in reqs) + 1
         out = self.graphs.run(reqs, n) if self.graphs is not None else None
         token_B, logprob_B, routing_BLK = out if out is not None else self._decode_eager(reqs, n)
