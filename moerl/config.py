@@ -99,6 +99,7 @@ class RolloutConfig:
     kv_cache_tokens: int = 0  # KV-cache size; 0 = from gpu_memory_fraction (GPU), max_batch_size x max_seq_len (CPU)
     gpu_memory_fraction: float = 0.9  # share of a GPU for the engine: weights + activation reserve + KV cache
     prefix_caching: bool = True  # samples whose prompts share full KV blocks compute and store them once
+    ep_size: int = 1  # ranks (GPUs) per rollout engine: experts split over them, dense layers on each (EngineGroup)
     max_inflight_groups: int = 0  # prompt groups a worker works on at once; 0 = from the engine's batch
     cpus_per_worker: float = 1.0  # Ray CPUs per worker (fractional is fine on a laptop)
     gpus_per_worker: float = 0.0
@@ -112,7 +113,7 @@ class RolloutConfig:
     imds_url: str = ""  # EC2 spot notice URL to poll every 5 s ("" = off; SIGTERM always works)
 
     def validate(self) -> None:
-        for name in ("num_workers", "max_new_tokens", "max_batch_size"):
+        for name in ("num_workers", "max_new_tokens", "max_batch_size", "ep_size"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
         # GRPO advantages are each reward minus its group's mean (moerl.train.loss.group_advantages)
         require(self.group_size >= 2, "group_size", "must be >= 2: an advantage is the reward minus its group's mean, "

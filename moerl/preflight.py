@@ -148,6 +148,17 @@ def check_tokenizer(task: Task, arch: MoEModelConfig) -> None:
                              "model's own tokenizer (task.options.tokenizer = the model directory)")
 
 
+def check_expert_split(cfg: MoerlConfig, arch: MoEModelConfig) -> None:
+    """The trainer's and the rollout engine's expert-parallel sizes each divide the model's experts."""
+    for key, size in (("ep.size", cfg.ep.size), ("rollout.ep_size", cfg.rollout.ep_size)):
+        if arch.num_experts % size:
+            raise PreflightError(f"config key {key!r} is {size}, which does not divide the model's {arch.num_experts} "
+                                 "experts: every rank must hold the same number of experts")
+    if cfg.rollout.ep_size > 1:
+        raise PreflightError(f"config key 'rollout.ep_size' is {cfg.rollout.ep_size}: the rollout worker does not run "
+                             "an engine group yet (moerl.rollout.EngineGroup runs one; see docs/rollout.md); set 1")
+
+
 # ------------------------------------------------------------------------------------------ resume
 def check_resume(store: CheckpointStore, fingerprint: dict[str, Any], *, every: int,
                  step: int | None = None) -> int:

@@ -183,6 +183,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
         except ValueError as e:
             raise PreflightError(str(e)) from e
         preflight.check_tokenizer(task, arch)
+        preflight.check_expert_split(cfg, arch)
         try:
             plan = eval_plan(cfg, task)  # opens the eval set: a bad one fails here
         except Exception as e:  # noqa: BLE001 - TaskError and the data readers' errors

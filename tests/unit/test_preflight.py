@@ -87,6 +87,7 @@ def test_train_arguments_are_checked_before_anything_loads(capsys) -> None:
     ("--train.steps=0", "train.steps"), ("--train.optim.lr=0", "train.optim.lr"),
     ("--train.optim.lr=-1e-4", "train.optim.lr"), ("--rollout.group_size=1", "rollout.group_size"),
     ("--train.sft_lr=0", "train.sft_lr"), ("--checkpoint.dir=s3://", "checkpoint.dir"),
+    ("--rollout.ep_size=0", "rollout.ep_size"),
 ])
 def test_values_that_cannot_work_are_refused_by_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -156,6 +157,15 @@ def test_good_model_dir_passes_and_its_tokenizer_must_fit(model_dir) -> None:
 
     with pytest.raises(PreflightError, match="tokenizer has 400 ids .* vocabulary has 300"):
         preflight.check_tokenizer(Task(), arch)
+
+
+def test_expert_parallel_sizes_must_divide_the_experts(model_dir) -> None:
+    arch = preflight.check_model(str(model_dir))  # 4 experts
+    preflight.check_expert_split(load_config(DEMO, []), arch)  # ep_size 1: today's engine
+    with pytest.raises(PreflightError, match=r"'rollout.ep_size' is 3, which does not divide the model's 4 experts"):
+        preflight.check_expert_split(load_config(DEMO, ["--rollout.ep_size=3"]), arch)
+    with pytest.raises(PreflightError, match=r"'ep.size' is 3"):
+        preflight.check_expert_split(load_config(DEMO, ["--ep.size=3", "--train.num_ranks=3"]), arch)
 
 
 def test_missing_model_dir_is_one_line_exit_2_before_ray(tmp_path, capsys) -> None:
