@@ -154,9 +154,13 @@ def check_expert_split(cfg: MoerlConfig, arch: MoEModelConfig) -> None:
         if arch.num_experts % size:
             raise PreflightError(f"config key {key!r} is {size}, which does not divide the model's {arch.num_experts} "
                                  "experts: every rank must hold the same number of experts")
-    if cfg.rollout.ep_size > 1:
-        raise PreflightError(f"config key 'rollout.ep_size' is {cfg.rollout.ep_size}: the rollout worker does not run "
-                             "an engine group yet (moerl.rollout.EngineGroup runs one; see docs/rollout.md); set 1")
+    if cfg.rollout.ep_size > 1 and cfg.run.deterministic:
+        raise PreflightError("config key 'run.deterministic' is not supported with rollout.ep_size > 1 yet (the "
+                             "engine group does not match its rescoring forwards across ranks): set one of them off")
+    gpus = cfg.rollout.gpus_per_worker
+    if cfg.rollout.ep_size > 1 and gpus and gpus != cfg.rollout.ep_size:
+        raise PreflightError(f"config key 'rollout.gpus_per_worker' is {gpus}, but an engine of rollout.ep_size = "
+                             f"{cfg.rollout.ep_size} ranks takes one GPU per rank: set it to {cfg.rollout.ep_size}")
 
 
 # ------------------------------------------------------------------------------------------ resume

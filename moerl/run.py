@@ -88,7 +88,7 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
     worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),
                         seed=cfg.run.seed, threads=cfg.rollout.threads, grace_s=cfg.rollout.grace_s,
-                        imds_url=cfg.rollout.imds_url)
+                        imds_url=cfg.rollout.imds_url, ep_size=cfg.rollout.ep_size)
     trainer = TrainerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                           optim=t.optim, loss=t.loss, ep_size=cfg.ep.size,
                           dispatcher=cfg.model.dispatcher, routing_replay=cfg.model.routing_replay,

@@ -30,6 +30,7 @@ from moerl.loop.types import GroupResult, GroupTask
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
 from moerl.rollout import Engine, EngineConfig, SamplingParams
+from moerl.rollout.group_leader import GroupLeader
 from moerl.rollout.memory import plan_for_device
 from moerl.tasks.base import load_task, safe_reward
 
@@ -52,6 +53,19 @@ class WorkerSpec:
     imds_url: str = ""  # e.g. http://169.254.169.254/latest/meta-data/spot/instance-action; "" = off
     imds_interval_s: float = 5.0
     group_timeout_s: float = 600.0
+    ep_size: int = 1  # ranks of the engine: > 1 runs an engine group (moerl/actors/engine_ranks.py)
+
+
+def _build_engine(spec: WorkerSpec, arch: MoEModelConfig, dtype: torch.dtype) -> Engine | GroupLeader:
+    if spec.ep_size > 1:
+        from moerl.actors.engine_ranks import start_engine_group
+
+        return start_engine_group(spec)
+    if spec.model_path:
+        model = load_pretrained(spec.model_path, dtype=dtype, device=spec.device)
+    else:
+        model = build_model(arch, dtype=dtype, device=spec.device, seed=spec.seed)
+    return Engine(model, spec.engine, version=-1)
 
 
 def sample_seed(run_seed: int, task_id: str, index: int) -> int:
@@ -69,11 +83,7 @@ class RolloutWorker:
         # The memory plan, before any weight loads: one line, or one clear error when the weights cannot fit.
         print(f"rollout worker {worker_id}: {plan_for_device(arch, spec.engine, dtype, spec.device).describe()}",
               flush=True)
-        if spec.model_path:
-            model = load_pretrained(spec.model_path, dtype=dtype, device=spec.device)
-        else:
-            model = build_model(arch, dtype=dtype, device=spec.device, seed=spec.seed)
-        self.engine = EngineThread(Engine(model, spec.engine, version=-1))
+        self.engine = EngineThread(_build_engine(spec, arch, dtype))
         self.receiver = weight_sync.Receiver(self.engine.engine.device)
         self.task = load_task(spec.task_name, spec.task_options, seed=spec.seed)
         self.preempting = threading.Event()
@@ -155,7 +165,10 @@ class RolloutWorker:
         def apply(engine: Engine) -> int:
             if version > engine.version:  # calls of a threaded actor may run out of order: never go back
                 t0 = time.perf_counter()
-                weight_sync.apply_weights(engine, tensors, version)
+                if isinstance(engine, GroupLeader):  # every rank applies, keeping its own experts
+                    engine.on_every_rank(weight_sync.apply_weights, tensors, version)
+                else:
+                    weight_sync.apply_weights(engine, tensors, version)
                 if engine.device.type == "cuda":  # the copies are queued on the device: time them, not their launch
                     torch.cuda.synchronize(engine.device)
                 with self._lock:

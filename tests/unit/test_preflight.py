@@ -166,6 +166,11 @@ def test_expert_parallel_sizes_must_divide_the_experts(model_dir) -> None:
         preflight.check_expert_split(load_config(DEMO, ["--rollout.ep_size=3"]), arch)
     with pytest.raises(PreflightError, match=r"'ep.size' is 3"):
         preflight.check_expert_split(load_config(DEMO, ["--ep.size=3", "--train.num_ranks=3"]), arch)
+    preflight.check_expert_split(load_config(DEMO, ["--rollout.ep_size=2", "--rollout.gpus_per_worker=2"]), arch)
+    with pytest.raises(PreflightError, match=r"'run.deterministic' is not supported with rollout.ep_size > 1"):
+        preflight.check_expert_split(load_config(DEMO, ["--rollout.ep_size=2", "--run.deterministic=true"]), arch)
+    with pytest.raises(PreflightError, match=r"'rollout.gpus_per_worker' is 1.0, .* set it to 2"):
+        preflight.check_expert_split(load_config(DEMO, ["--rollout.ep_size=2", "--rollout.gpus_per_worker=1"]), arch)
 
 
 def test_missing_model_dir_is_one_line_exit_2_before_ray(tmp_path, capsys) -> None:

@@ -15,6 +15,7 @@ import torch
 from moerl.actors.weight_sync.buckets import Bucket, Published, unpack_bucket, views
 from moerl.actors.weight_sync.broadcast import BroadcastShard
 from moerl.actors.weight_sync.shared import SharedBucket, SharedOpener
+from moerl.model.moe import is_expert_param
 from moerl.rollout import Engine
 
 
@@ -84,10 +85,24 @@ def stage(tensors: Published, device: torch.device) -> Published:
 @torch.no_grad()
 def apply_weights(engine: Engine, tensors: Published, version: int) -> None:
     """Copy published tensors into the engine's model; expert slices land at their rank's expert offset.
-    Runs on the engine's thread, between two steps."""
+    Runs on the engine's thread, between two steps.
+
+    An engine whose experts are split (an engine group rank, experts [lo, hi)) keeps the part of each expert
+    tensor, whole or a trainer rank's slice, that falls in its range: slices of a trainer with another EP size
+    are re-cut here."""
     state = engine.model.state_dict()
-    whole = [(name, tensor) for name, tensor, offset in tensors if offset is None]
-    slices = [(name, tensor, offset) for name, tensor, offset in tensors if offset is not None]
+    blocks = engine.model.moe_blocks
+    split = bool(blocks) and blocks[0].dispatcher.world_size > 1
+    local = blocks[0].dispatcher.local_expert_slice if split else slice(0, engine.model.config.num_experts)
+    whole, slices = [], []
+    for name, tensor, offset in tensors:
+        if offset is None and not (split and is_expert_param(name)):
+            whole.append((name, tensor))
+            continue
+        start = offset or 0
+        lo, hi = max(local.start, start), min(local.stop, start + tensor.shape[0])
+        if lo < hi:  # global experts [lo, hi) are rows [lo - local.start, ...) of this rank's tensor
+            slices.append((name, tensor[lo - start: hi - start], lo - local.start))
     for name, _, _ in slices:
         if name not in state:
             raise KeyError(f"update_weights: unknown parameter {name!r}")
