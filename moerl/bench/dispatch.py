@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import tempfile
-import time
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from moerl.bench.common import Row, device_description, format_table, measure_copy_bandwidth, time_fn
+from moerl.bench.ranks import init_rank, spawn_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_HIDDEN, CPU_TOKENS = 1024, "512,128"
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -85,72 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and world > torch.cuda.device_count():
         print(f"error: --world-size {world} but only {torch.cuda.device_count()} GPUs")
         return 2
-    ok, text = _spawn(world, args)
+    ok, text = spawn_ranks(world, _run_rank, args, args.timeout)
     print("\n".join(notes + [text]))
     return 0 if ok else 1
 
 
-def _spawn(world: int, args) -> tuple[bool, str]:
-    """Run `world` ranks in spawned processes on 127.0.0.1; return (ok, rank 0's table or the errors)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, port, tmp, args), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        reports = [Path(tmp) / f"rank{r}" for r in range(world)]
-        deadline, failed_at = time.monotonic() + args.timeout, None
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            failed = any(p.exitcode not in (None, 0) for p in procs) or any(
-                f.is_file() and not f.read_text().startswith("ok") for f in reports)
-            failed_at = failed_at or (time.monotonic() if failed else None)
-            if failed_at is not None and time.monotonic() - failed_at > 10:
-                break  # the others are likely stuck in a collective
-            time.sleep(0.05)
-        for p in procs:  # only the processes started above
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-        errors = []
-        for r, (p, f) in enumerate(zip(procs, reports)):
-            text = f.read_text() if f.is_file() else f"no report (exit code {p.exitcode}; crashed or timed out)"
-            if not text.startswith("ok"):
-                errors.append(f"rank {r}: {text}")
-        if errors:
-            return False, "\n".join(errors)
-        return True, reports[0].read_text()[len("ok\n"):]
-
-
-def _worker(rank: int, world: int, port: int, report_dir: str, args) -> None:
-    try:
-        text = "ok\n" + (_run_rank(rank, world, port, args) or "")
-    except BaseException:
-        text = traceback.format_exc()
-    report = Path(report_dir) / f"rank{rank}"
-    report.with_suffix(".tmp").write_text(text)
-    report.with_suffix(".tmp").rename(report)
-
-
 def _run_rank(rank: int, world: int, port: int | None, args) -> str | None:
     """One rank of the benchmark; returns rank 0's report (None on the other ranks)."""
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # ranks share the cores: one thread each
-        device = torch.device("cpu")
-    else:
-        for k, v in NO_MULTICAST.items():  # NVLink multicast off (read at NCCL / NVSHMEM init)
-            os.environ.setdefault(k, v)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    backend = "gloo" if device.type == "cpu" else "nccl"
-    init = {} if port is None else dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None, **init)
+    device = init_rank(rank, world, port, args.device)
     try:
         return _bench(rank, world, device, args)
     finally:
