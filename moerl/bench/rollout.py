@@ -4,6 +4,7 @@
                                                                # prompts x 256 new tokens, greedy, bf16
     python -m moerl.cli bench rollout --preset qwen3-30b-a3b   # Qwen3-30B-A3B's shape, random init, temperature 1
     python -m moerl.cli bench rollout --device cpu             # the tiny demo model on CPU (preset `tiny`)
+    python -m moerl.cli bench rollout --ep-size 8              # an engine group over 8 GPUs vs one engine
 
 Presets (`PRESETS`) fix the model shape, the workload and the sampling; --requests/--prompt-len/--new-tokens/
 --temperature override them. Random weights are drawn on the device itself (no CPU copy, no download). Both
@@ -112,6 +113,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "floor (default 4800 on an H200, else none); the first is over the measured copy bandwidth")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     p.add_argument("--profile", action="store_true", help="print the top ops of 5 decode steps")
+    p.add_argument("--ep-size", type=int, default=1, help="ranks of an expert-parallel engine group (spawned, or "
+                   "torchrun's); > 1 compares it with one engine: see moerl/bench/rollout_ep.py")
     return p.parse_args(argv)
 
 
@@ -238,6 +241,10 @@ def _device(name: str) -> torch.device:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(argv or []))
+    if args.ep_size > 1:
+        from moerl.bench.rollout_ep import main_ep
+
+        return main_ep(args)
     device = _device(args.device)
     gpu = device.type == "cuda"
     name = args.preset or ("0.9b" if gpu else "tiny")

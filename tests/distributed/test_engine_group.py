@@ -72,6 +72,12 @@ def worker(rank: int, world_size: int, out_dir: str) -> None:
         steps += 1
         if rank == 0 and steps == ABORT_STEP:
             results["partial"] = group.abort(ids[0])
+    # New weights, whole tensors as an unsplit trainer publishes them: each rank keeps its experts (last: it
+    # changes the model the cases above shared).
+    group = EngineGroup(model, engine_config())
+    group.update_weights(build_model(arch(), seed=1).state_dict(), version=1)
+    mine = list(range(rank, len(PROMPTS), world_size))
+    results["new_weights"] = group.generate([PROMPTS[i] for i in mine], [PARAMS[i] for i in mine])
     (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
 
 
@@ -112,3 +118,28 @@ def test_group_equals_single_engine(tmp_path, reference, world_size):
     assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < PARAMS[ABORTED].max_new_tokens
     continued = Engine(model, engine_config()).generate([PROMPTS[ABORTED]], [PARAMS[ABORTED]], prefixes=[partial])
     assert_same(continued[0], want[ABORTED])
+    engine = Engine(build_model(arch(), seed=1).eval(), engine_config(), version=1)
+    want_new = engine.generate(PROMPTS, PARAMS)
+    for rank in range(world_size):
+        for i, completion in zip(range(rank, len(PROMPTS), world_size), results[rank]["new_weights"]):
+            assert_same(completion, want_new[i])
+            assert set(completion.versions) == {1}
+
+
+def bench_worker(rank: int, world_size: int, out_dir: str) -> None:
+    import argparse
+
+    from moerl.bench.rollout_ep import bench_rank
+
+    args = argparse.Namespace(preset="tiny", requests=5, prompt_len=6, new_tokens=4, temperature=None, peer="one",
+                              no_graphs=False, ep_size=world_size)
+    text = bench_rank(rank, world_size, torch.device("cpu"), args)
+    if rank == 0:
+        (Path(out_dir) / "report.txt").write_text(text)
+
+
+def test_bench_rollout_ep_size_reports_the_group_and_one_engine(tmp_path):
+    run_ranks(2, bench_worker, str(tmp_path), start_method="forkserver", timeout=60.0)
+    text = (tmp_path / "report.txt").read_text()
+    assert "over 2 ranks" in text and "decode throughput" in text and "one engine" in text
+    assert "per rank: requests [3, 2]" in text, text
