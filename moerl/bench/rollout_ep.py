@@ -62,7 +62,8 @@ def bench_rank(rank: int, world: int, device: torch.device, args) -> str | None:
 
     name = args.preset or ("0.9b" if device.type == "cuda" else "tiny")
     preset = PRESETS[name]
-    R, P, N = args.requests or preset.requests, args.prompt_len or preset.prompt_len, args.new_tokens or preset.new_tokens
+    R, P = args.requests or preset.requests, args.prompt_len or preset.prompt_len
+    N = args.new_tokens or preset.new_tokens
     T = preset.temperature if args.temperature is None else args.temperature
     config, dtype = preset.config(), preset.dtype if device.type == "cuda" else torch.float32
     if config.num_experts % world:

@@ -141,8 +141,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.by_id:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        prompt = _token_ids(prompt)
-        self._validate(prompt, params, prefix)
+        prompt = self.check_request(prompt, params, prefix)
         seed = params.seed if params.seed is not None else (
             prefix.seed if prefix is not None and prefix.seed is not None
             else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen)))
@@ -157,6 +156,13 @@ class Engine:
         else:
             self.waiting.append(req)
         return request_id
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams,
+                      prefix: Completion | None = None) -> list[int]:
+        """The prompt as a list of ints, or ValueError naming what `submit` would refuse."""
+        prompt = _token_ids(prompt)
+        self._validate(prompt, params, prefix)
+        return prompt
 
     def _validate(self, prompt: list[int], params: SamplingParams, prefix: Completion | None) -> None:
         vocab = self.model.config.vocab_size

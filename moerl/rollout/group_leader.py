@@ -56,13 +56,13 @@ class GroupLeader:
         """Check the request here (every rank would refuse it alike), then queue it for its rank."""
         if request_id is None or request_id in self.owner:
             raise ValueError(f"the engine group needs a new request id, got {request_id!r}")
-        self.engine._validate(list(prompt), params, prefix)
+        prompt = self.engine.check_request(prompt, params, prefix)
         load = [0] * self.group.size
         for rank in self.owner.values():
             load[rank] += 1
         rank = load.index(min(load))
         self.owner[request_id] = rank
-        self._submits[rank].append((list(prompt), params, request_id, prefix))
+        self._submits[rank].append((prompt, params, request_id, prefix))
         return request_id
 
     def abort(self, request_id: str) -> Completion:
