@@ -53,9 +53,11 @@ def start_engine_group(spec, start_method: str = "spawn") -> GroupLeader:
 def rank_engine(spec, rank: int, size: int, port: int) -> EngineGroup:
     """Join the group as `rank` and build this rank's engine (its experts, the dense layers whole)."""
     cuda = spec.device.startswith("cuda")
-    device = f"cuda:{rank}" if cuda else spec.device
+    device = torch.device(f"cuda:{rank}" if cuda else spec.device)
+    if cuda:  # NCCL's object collectives (the leader's commands) use the current device: this rank's own
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=IDLE_TIMEOUT)
+                            world_size=size, timeout=IDLE_TIMEOUT, device_id=device if cuda else None)
     group, dtype = dist.group.WORLD, getattr(torch, spec.dtype)
     if spec.model_path:
         model = load_pretrained(spec.model_path, dtype=dtype, device=device, expert_parallel_group=group,
