@@ -1,7 +1,8 @@
 """A rollout worker with rollout.ep_size = 2 (its process rank 0, one child process rank 1, gloo) against a worker
 with ep_size = 1 in the same process: the same published weights (expert tensors cut as a trainer with EP 4
 publishes them, re-cut by each rank), the same group, the same completions (tokens, log-probs 1e-5, routing);
-an abort on the group (a request on the follower rank) continued on the single engine stays exact.
+an abort on the group (a request on the follower rank) continued on the single engine stays exact; a killed
+follower fails the worker's requests and pings at once.
 
 Both workers live in one child process (they set up torch.distributed, which must not happen in pytest's own).
 """
@@ -9,7 +10,10 @@ Both workers live in one child process (they set up torch.distributed, which mus
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -80,8 +84,22 @@ def child(out_path: str) -> None:
     results["continued"], results["whole"] = single.engine.call(
         lambda e: (e.generate([prompt.prompt_token_ids], params, prefixes=[partial])[0],
                    e.generate([prompt.prompt_token_ids], params)[0]))
+    # A lost rank fails the worker at once: the engine thread dies, the request fails, the pings fail (so the
+    # pool replaces the whole worker).
+    os.kill(group_worker.engine.engine.processes[0].pid, signal.SIGKILL)
+    fut = group_worker.engine.submit(prompt.prompt_token_ids, params, "after-loss")
+    t0 = time.monotonic()
+    try:
+        fut.result(timeout=30)
+        results["lost"] = "no error"
+    except Exception as e:  # noqa: BLE001 - what the worker's group would see
+        results["lost"] = (type(e).__name__, time.monotonic() - t0)
+    try:
+        group_worker.ping()
+        results["ping"] = "answered"
+    except RuntimeError as e:
+        results["ping"] = str(e)
     Path(out_path).write_bytes(pickle.dumps(results))
-    group_worker.engine.call(lambda leader: leader.close())
     for w in (group_worker, single):
         w.engine.stop()
 
@@ -114,3 +132,5 @@ def test_worker_with_an_engine_group_equals_a_single_engine_worker(tmp_path):
     partial = r["partial"]
     assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 8
     assert_same(r["continued"], r["whole"])
+    assert r["lost"][0] == "RuntimeError" and r["lost"][1] < 10, r["lost"]
+    assert r["ping"].startswith("engine thread died"), r["ping"]
