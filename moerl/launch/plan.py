@@ -87,6 +87,9 @@ def check(cfg: MoerlConfig, scheduler: str) -> None:
     if la.rollout_nodes:
         ritype = _instance("launch.rollout_instance_type", la.rollout_instance_type or la.instance_type)
         rgpus = _per_node("launch.gpus_per_node", la.gpus_per_node, ritype.gpus, "GPUs", ritype)
+        if cfg.rollout.ep_size > rgpus:  # a worker is one Ray actor: its engine group's GPUs are on one node
+            raise _fail("rollout.ep_size", f"({cfg.rollout.ep_size} GPUs per rollout engine) exceeds the {rgpus} GPUs "
+                        "of a rollout node: an engine group runs on one node")
         need = cfg.rollout.num_workers * cfg.rollout.gpus_per_worker
         if need > la.rollout_nodes * rgpus:
             raise _fail("rollout.num_workers", f"x rollout.gpus_per_worker needs {need:g} GPUs, but "

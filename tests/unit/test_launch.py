@@ -84,6 +84,9 @@ def test_launch_section_rejects(override: str, needle: str) -> None:
     (["--train.num_ranks=129", "--ep.size=1"], r"'train.num_ranks' x train.gpus_per_rank needs 129 GPUs"),
     (["--ep.size=48"], r"config key 'ep.size' must divide train.num_ranks \(128\), got 48"),
     (["--rollout.num_workers=257"], r"'rollout.num_workers' .* needs 257 GPUs"),
+    (["--rollout.ep_size=16", "--rollout.gpus_per_worker=16", "--rollout.num_workers=16"],
+     r"'rollout.ep_size' \(16 GPUs per rollout engine\) exceeds the 8 GPUs of a rollout node"),
+    (["--rollout.ep_size=8", "--rollout.gpus_per_worker=8"], r"'rollout.num_workers' .* needs 2048 GPUs"),
     (["--ray.address=10.0.0.1:6379"], r"'ray.address' must be empty"),
     (["--rollout.grace_s=115"], r"must exceed rollout.grace_s"),
 ])
