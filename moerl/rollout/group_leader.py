@@ -114,17 +114,37 @@ def follow(group: EngineGroup) -> None:
 
 
 def _execute(group: EngineGroup, command: tuple) -> list[Any] | None:
-    """Run one command on this rank; the leader gets every rank's answer (a gather), the followers None."""
-    kind = command[0]
+    """Run one command on this rank; the leader gets every rank's answer (a gather), the followers None.
+
+    A command that fails on a rank (a weight update naming an unknown parameter) is still answered, so no rank
+    is left waiting in the gather and the followers stay in the group; the leader raises it afterwards."""
     answer: Any = None
+    error: Exception | None = None
+    try:
+        answer = _run(group, command)
+    except Exception as e:  # noqa: BLE001 - raised on the leader once every rank has answered
+        error = e
+    gathered = [None] * group.size if group.rank == 0 else None
+    dist.gather_object((answer, None if error is None else f"{type(error).__name__}: {error}"), gathered, dst=0,
+                       group=group.group)
+    if error is not None and group.rank == 0:
+        raise error
+    if gathered is None:
+        return None
+    for rank, (_, failed) in enumerate(gathered):
+        if failed is not None:
+            raise RuntimeError(f"engine group rank {rank}: {failed}")
+    return [a for a, _ in gathered]
+
+
+def _run(group: EngineGroup, command: tuple) -> Any:
+    kind = command[0]
     if kind == "step":
         for prompt, params, request_id, prefix in command[1][group.rank]:
             group.submit(prompt, params, request_id=request_id, prefix=prefix)
-        answer = group.step()
-    elif kind == "abort":
-        answer = group.abort(command[2]) if command[1] == group.rank else None
-    elif kind == "call":
-        answer = command[1](group.engine, *command[2])
-    answers = [None] * group.size if group.rank == 0 else None
-    dist.gather_object(answer, answers, dst=0, group=group.group)
-    return answers
+        return group.step()
+    if kind == "abort":
+        return group.abort(command[2]) if command[1] == group.rank else None
+    if kind == "call":
+        return command[1](group.engine, *command[2])
+    return None

@@ -84,6 +84,13 @@ def child(out_path: str) -> None:
     results["continued"], results["whole"] = single.engine.call(
         lambda e: (e.generate([prompt.prompt_token_ids], params, prefixes=[partial])[0],
                    e.generate([prompt.prompt_token_ids], params)[0]))
+    # A refused weight update (an unknown parameter, on every rank) leaves the group serving.
+    try:
+        group_worker.update_weights(5, [pack_bucket([("no.such.weight", torch.zeros(2), None)])])
+        results["bad_update"] = "accepted"
+    except KeyError:
+        results["bad_update"] = "refused"
+    results["after_bad_update"] = group_worker.run_group(gt).status
     # A lost rank fails the worker at once: the engine thread dies, the request fails, the pings fail (so the
     # pool replaces the whole worker).
     os.kill(group_worker.engine.engine.processes[0].pid, signal.SIGKILL)
@@ -132,5 +139,6 @@ def test_worker_with_an_engine_group_equals_a_single_engine_worker(tmp_path):
     partial = r["partial"]
     assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 8
     assert_same(r["continued"], r["whole"])
+    assert (r["bad_update"], r["after_bad_update"]) == ("refused", "ok")
     assert r["lost"][0] == "RuntimeError" and r["lost"][1] < 10, r["lost"]
     assert r["ping"].startswith("engine thread died"), r["ping"]
