@@ -210,7 +210,9 @@ def cmd_trainer(a: argparse.Namespace) -> int:
             return 1
         deadline = time.monotonic() + a.wait_s
         while True:
-            node = RayNode(f"--address={host}:{port}")
+            # drain_s=5: this node stops once the head has (after rank 0's save): Ray's drain would wait 30 s for a
+            # GCS that is gone
+            node = RayNode(f"--address={host}:{port}", drain_s=5)
             how = run_node(node, stop, (host, port), a.lost_s, linger_s=max(a.grace_s - 10, 0))
             if how == "exited" and node.failed_to_start() and time.monotonic() < deadline and not stop.is_set():
                 _log(f"`ray start` failed (exit {node.proc.returncode}); joining {host}:{port} again")
