@@ -125,6 +125,10 @@ class RolloutConfig:
         require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction", "must be in (0, 1]")
         require(self.kv_block_size >= 1, "kv_block_size", "must be >= 1")
         require(self.kv_cache_tokens >= 0, "kv_cache_tokens", "must be >= 0 (0 = from memory)")
+        # max_seq_len bounds prompt + completion: a larger max_new_tokens would be cut short without a word.
+        require(self.max_new_tokens < self.max_seq_len, "max_new_tokens",
+                f"must be < rollout.max_seq_len={self.max_seq_len} (prompt + completion tokens): raise "
+                "rollout.max_seq_len")
 
     def inflight_groups(self) -> int:
         """`max_inflight_groups`, or enough groups to fill the engine's batch twice: one batch decoding while

@@ -125,9 +125,21 @@ def check_task(cfg: MoerlConfig) -> Task:
     except Exception as e:  # the task's own constructor (data, tokenizer): named in one line
         raise PreflightError(f"task {name!r} could not be built: {one_line(e)}") from e
     try:
-        task.prompt_at(0)
+        prompt = task.prompt_at(0)
     except Exception as e:
         raise PreflightError(f"task {name!r}: its first prompt fails: {one_line(e)}") from e
+    r = cfg.rollout
+    n = len(prompt.prompt_token_ids)
+    if n >= r.max_seq_len:
+        raise PreflightError(f"task {name!r}: prompt 0 has {n} tokens, rollout.max_seq_len={r.max_seq_len} leaves no "
+                             "room for a completion: raise rollout.max_seq_len")
+    if n + r.max_new_tokens > r.max_seq_len:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "rollout.max_new_tokens=%d: prompt 0 has %d tokens, so rollout.max_seq_len=%d cuts its completion at %d "
+            "tokens (raise rollout.max_seq_len to %d)", r.max_new_tokens, n, r.max_seq_len, r.max_seq_len - n,
+            n + r.max_new_tokens)
     if cfg.train.sft_steps > 0:
         if not hasattr(task, "sft_example"):
             raise PreflightError(f"config key 'train.sft_steps' is {cfg.train.sft_steps} but task {name!r} has no "

@@ -9,7 +9,7 @@ live positions only (its loop bounds are device tensors), and MoE routing never 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -25,11 +25,12 @@ class DecodeBatch:
     pos_B: torch.Tensor  # int64 its position
     table_BW: torch.Tensor  # int64 the row's blocks; 0 (the null block) for padding
     sampling: SamplingBatch
+    owners: list = field(default_factory=list)  # the request whose sampling settings each row holds (host)
 
     @classmethod
     def empty(cls, n: int, width: int, device: torch.device | str) -> DecodeBatch:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-        return cls(zeros(n), zeros(n), zeros(n, width), SamplingBatch.empty(n, device))
+        return cls(zeros(n), zeros(n), zeros(n, width), SamplingBatch.empty(n, device), [None] * n)
 
 
 # fill(reqs, n, batch): write the batch's inputs into the static tensors in place.

@@ -105,6 +105,7 @@ class Engine:
             self.cache.decode_kernel = kernels.paged_decode_ok(self.device, self.dtype, arch.num_attention_heads,
                                                                arch.num_key_value_heads, arch.head_dim,
                                                                config.kv_block_size)
+        self._stage_buf: torch.Tensor | None = None  # decode_inputs' host staging buffer
         self.waiting: list[_Request] = []
         self.running: dict[str, _Request] = {}  # id -> request, in admission order (the newest is preempted first)
         self.by_id: dict[str, _Request] = {}
@@ -346,7 +347,8 @@ class Engine:
         token_B, logprob_B, routing_BLK = token_B.cpu(), logprob_B.cpu(), routing_BLK.to(torch.int16).cpu()
         # One vectorised write of every row's routing into the blocks of its position.
         slots = [r.slot for r in reqs]
-        self.cache.store_routing(slots, torch.tensor([[r.num_computed] for r in reqs]), routing_BLK[slots][:, None])
+        routing_BLK = torch.from_numpy(routing_BLK.numpy()[slots])
+        self.cache.store_routing(slots, torch.tensor([[r.num_computed] for r in reqs]), routing_BLK[:, None])
         tokens, logprobs = token_B.tolist(), logprob_B.tolist()  # two host lists, not 2 x 256 tensor indexings
         for req in reqs:
             req.num_computed += 1
@@ -375,18 +377,41 @@ class Engine:
 
     def decode_inputs(self, reqs: list[_Request], n: int, batch: DecodeBatch) -> None:
         """Fill a padded decode batch of n rows (row = the request's table row); rows without a decoding request
-        keep block table zeros, so they write to the null block."""
+        keep block table zeros, so they write to the null block. Host work here delays every decode step, so the
+        per-row ints travel in one staged host-to-device copy, and a row's sampling settings are written only
+        when another request took the row."""
         dev = batch.ids_B.device
+        width = max(len(r.blocks) for r in reqs)  # live blocks of the longest row: copy no more
+        staged = self._staging(len(reqs), 3 + width)
+        host = staged.numpy()
+        host[:, 0] = slots = [r.slot for r in reqs]
+        host[:, 1] = [r.tokens[-1] for r in reqs]
+        host[:, 2] = [r.num_computed for r in reqs]
+        host[:, 3:] = self.cache.table_RW.numpy()[slots, :width]
+        rows_B4 = staged.to(dev, non_blocking=True)  # the staging buffer is reused only after this step's sync
+        rows = rows_B4[:, 0]
         batch.ids_B.zero_()
         batch.pos_B.zero_()
         batch.table_BW.zero_()
-        slots = [r.slot for r in reqs]
-        rows = torch.tensor(slots, device=dev)
-        batch.ids_B[rows] = torch.tensor([r.tokens[-1] for r in reqs]).to(dev)
-        batch.pos_B[rows] = torch.tensor([r.num_computed for r in reqs]).to(dev)
-        width = max(len(r.blocks) for r in reqs)  # live blocks of the longest row: copy no more
-        batch.table_BW[rows, :width] = self.cache.table_RW[slots, :width].to(dev)
-        batch.sampling.set_rows(slots, [r.params for r in reqs], [r.seed for r in reqs], [len(r.tokens) for r in reqs])
+        batch.ids_B[rows] = rows_B4[:, 1]
+        batch.pos_B[rows] = rows_B4[:, 2]
+        batch.table_BW[rows, :width] = rows_B4[:, 3:]
+        batch.sampling.position_B[rows] = rows_B4[:, 2] + 1  # decoding: len(tokens) = num_computed + 1
+        new = [r for r in reqs if batch.owners[r.slot] is not r]
+        if new:
+            batch.sampling.set_rows([r.slot for r in new], [r.params for r in new], [r.seed for r in new],
+                                    [len(r.tokens) for r in new])
+            for r in new:
+                batch.owners[r.slot] = r
+
+    def _staging(self, rows: int, cols: int) -> torch.Tensor:
+        """A host int64 [rows, cols] buffer for decode inputs: pinned on CUDA (an asynchronous copy), reused."""
+        need = rows * cols
+        if self._stage_buf is None or self._stage_buf.numel() < need:
+            pin = self.device.type == "cuda"
+            self._stage_buf = torch.empty(max(need, 2 * self.config.max_batch_size * 8), dtype=torch.long,
+                                          pin_memory=pin)
+        return self._stage_buf[:need].view(rows, cols)
 
     def decode_forward(self, batch: DecodeBatch, kv_len: int, hints: dict | None = None):
         """The decode computation: a forward over a padded batch, then sampling (what the graphs capture)."""

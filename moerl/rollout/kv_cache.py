@@ -86,6 +86,7 @@ class PagedKVCache:
         self.width = -(-max_seq_len // block_size)  # table columns: blocks of one full-length request
         self.table_RW = torch.zeros(max_rows, self.width, dtype=torch.long)  # host; 0 = the null block
         self.routing_NPLK = torch.zeros(num_blocks, block_size, moe_layers, top_k, dtype=torch.int16)
+        self._routing_rows = self.routing_NPLK.numpy().reshape(num_blocks * block_size, moe_layers * top_k)
         # The Triton kernel where it runs; elsewhere gather + SDPA (CPU tests, no triton).
         self.decode_kernel = kernels.use_triton(self.k[0])
 
@@ -159,7 +160,10 @@ class PagedKVCache:
     def store_routing(self, slots: list[int], pos_BT: torch.Tensor, routing_BTLK: torch.Tensor) -> None:
         """Record the experts chosen at positions pos_BT (host tensors) of the requests in table rows `slots`."""
         block_BT = self.table_RW[torch.tensor(slots)].gather(1, pos_BT // self.block_size)
-        self.routing_NPLK[block_BT, pos_BT % self.block_size] = routing_BTLK
+        # One numpy row assignment into the [blocks x positions, layers x top_k] view: torch's CPU index_put
+        # took 3 ms per decode step at 256 rows x 48 layers x 8 (measured on the H200 host), this ~0.05 ms.
+        flat = (block_BT * self.block_size + pos_BT % self.block_size).reshape(-1).numpy()
+        self._routing_rows[flat] = routing_BTLK.reshape(len(flat), -1).numpy()
 
     def routing_of(self, req, n: int) -> torch.Tensor:
         """The experts of req's first n positions, [n, L, K] (a copy)."""

@@ -92,11 +92,13 @@ def activation_reserve(arch: MoEModelConfig, config, dtype: torch.dtype, decode_
     """Working memory beside the weights and the cache, estimated from the shapes: sampling over
     [max_batch_size, vocab] in float32 (logits, scaled, log-softmax, sorted values and their int64 order, noise:
     8 copies); one prefill step's activations (max_prefill_tokens x (16 hidden + 6 top_k x expert intermediate)
-    values); where decode gathers the blocks instead of the paged kernel (no triton), the gathered keys and
+    values, where a step prefills at most max_batch_size x prefill_chunk tokens whatever max_prefill_tokens says);
+    where decode gathers the blocks instead of the paged kernel (no triton), the gathered keys and
     values of the widest batch; and 1 GiB for the CUDA context, cuBLAS workspaces and allocator slack."""
     sampling = 8 * 4 * config.max_batch_size * arch.vocab_size
     per_token = 16 * arch.hidden_size + 6 * arch.num_experts_per_tok * arch.moe_intermediate_size
-    prefill = config.max_prefill_tokens * per_token * dtype.itemsize
+    prefill_tokens = min(config.max_prefill_tokens, config.max_batch_size * min(config.prefill_chunk, config.max_seq_len))
+    prefill = prefill_tokens * per_token * dtype.itemsize
     gathered = 0
     if decode_gathers:
         per_layer = kv_bytes_per_token(arch, dtype) // arch.num_hidden_layers

@@ -14,7 +14,10 @@ capture), then prints:
       device's busy time: the difference is host time the device waits (bookkeeping between steps);
   (b) the top 25 CUDA kernels by total time over the profiled graph-mode steps;
   (c) the bytes one step must read (weights touched + KV) over the step's wall time and over the device-busy
-      time: achieved bandwidth against the measured copy bandwidth and the 4.8 TB/s H200 datasheet peak.
+      time: achieved bandwidth against the measured copy bandwidth and the 4.8 TB/s H200 datasheet peak;
+  (d) the host side of a graph-mode step: the captured graph replayed alone (no host work between replays)
+      against the whole step, and a cProfile of the steps (host ms per step by function; time inside a
+      device-to-host copy is time the host waits for the device).
 Self-contained: torch and this source tree (moerl need not be installed).
 """
 
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     config = preset.config()
     dtype = preset.dtype if on_cuda else torch.float32
     R, P = args.requests, args.prompt_len
-    max_seq = P + args.warmup + 2 * args.steps + 16  # no request finishes while profiled
+    max_seq = P + args.warmup + 3 * args.steps + 16  # no request finishes while profiled
     n = parameter_count(config)
     log(f"preset {args.preset}: {n / 1e9:.2f}B ({n:,}) parameters, {config.num_hidden_layers} layers, "
         f"{config.num_experts} experts top-{config.num_experts_per_tok}, vocabulary {config.vocab_size}, {dtype}; "
@@ -370,6 +373,38 @@ def report(args, engine: Engine, model, config, dtype, device, R: int, P: int) -
         dev_s = busy_us / 1e6 / n_prof
         print(f"  over the device-busy time ({dev_s * 1e3:.2f} ms): {step_bytes / dev_s / 1e9:,.0f} GB/s = "
               f"{100 * step_bytes / dev_s / copy_bw:.1f}% of the copy bandwidth (what the kernels alone reach)")
+    if graph_mode:
+        host_split(engine, device, N)
+
+
+def host_split(engine: Engine, device, n: int) -> None:
+    """(d): replay-only time of the decode graph vs the whole step, and where the step's host time goes."""
+    import cProfile
+    import pstats
+
+    key = max(engine.graphs.captured, key=lambda k: k[0])
+    graph = engine.graphs.captured[key][0]
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    synchronize(device)
+    replay_s = (time.perf_counter() - t0) / n
+    prof = cProfile.Profile()
+    synchronize(device)
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        engine.step()
+    synchronize(device)
+    prof.disable()
+    step_s = (time.perf_counter() - t0) / n
+    print(f"\n(d) host side, graph mode: the {key[0]}-row graph replayed alone {replay_s * 1e3:.2f} ms; a whole step "
+          f"{step_s * 1e3:.2f} ms under cProfile: {max(step_s - replay_s, 0) * 1e3:.2f} ms/step of host work the "
+          f"device waits on. Host time by function (ms/step, self and cumulative):")
+    stats = pstats.Stats(prof).stats
+    for (file, line, fn), (_, calls, tottime, cumtime, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:22]:
+        print(f"  {tottime / n * 1e3:8.3f} {cumtime / n * 1e3:8.3f} {calls / n:9.1f}/step  {Path(file).name}:{line} {fn}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ stopped run, `moerl export`'s refusal of a non-empty directory, and `--help` wit
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -87,7 +88,7 @@ def test_train_arguments_are_checked_before_anything_loads(capsys) -> None:
     ("--train.steps=0", "train.steps"), ("--train.optim.lr=0", "train.optim.lr"),
     ("--train.optim.lr=-1e-4", "train.optim.lr"), ("--rollout.group_size=1", "rollout.group_size"),
     ("--train.sft_lr=0", "train.sft_lr"), ("--checkpoint.dir=s3://", "checkpoint.dir"),
-    ("--rollout.ep_size=0", "rollout.ep_size"),
+    ("--rollout.ep_size=0", "rollout.ep_size"), ("--rollout.max_new_tokens=32", "rollout.max_new_tokens"),
 ])
 def test_values_that_cannot_work_are_refused_by_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -197,6 +198,22 @@ def test_task_problems_are_named(tmp_path) -> None:
         preflight.check_task(cfg(jsonl, f"--task.options.path={tmp_path / 'ok.jsonl'}",
                                  f"--task.options.tokenizer={tmp_path / 'no-tokenizer'}"))
     assert preflight.check_task(cfg(jsonl, f"--task.options.path={tmp_path / 'ok.jsonl'}")).prompt_at(0)
+
+
+def test_prompt_and_completion_must_fit_max_seq_len(tmp_path, caplog) -> None:
+    """A completion cut short by max_seq_len is said before the run (issue 15's command asked 256 new tokens of
+    the demo's max_seq_len = 32 and trained 22-token completions without a word)."""
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "12345678+1=", "answer": "12345679"}\n')
+    task = ["--task.name=moerl.tasks.jsonl:JsonlTask", f"--task.options.path={tmp_path / 'ok.jsonl'}"]
+    n = len(preflight.check_task(load_config(None, task)).prompt_at(0).prompt_token_ids)
+    with caplog.at_level(logging.WARNING):
+        preflight.check_task(load_config(None, [*task, f"--rollout.max_seq_len={n + 8}", "--rollout.max_new_tokens=7"]))
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        preflight.check_task(load_config(None, [*task, f"--rollout.max_seq_len={n + 8}", "--rollout.max_new_tokens=9"]))
+    assert f"cuts its completion at 8 tokens (raise rollout.max_seq_len to {n + 9})" in caplog.text
+    with pytest.raises(preflight.PreflightError, match=f"prompt 0 has {n} tokens, rollout.max_seq_len={n}"):
+        preflight.check_task(load_config(None, [*task, f"--rollout.max_seq_len={n}", "--rollout.max_new_tokens=1"]))
 
 
 # ------------------------------------------------------------------------------------------ run.dir

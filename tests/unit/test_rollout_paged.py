@@ -19,7 +19,7 @@ from moerl.model import MoEModelConfig
 from moerl.rollout import Completion, Engine, EngineConfig, SamplingParams
 from moerl.rollout.block_pool import BlockPool
 from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs
-from moerl.rollout.memory import MemoryPlanError, plan_memory, weight_bytes
+from moerl.rollout.memory import MemoryPlanError, activation_reserve, plan_memory, weight_bytes
 from tests.unit.test_rollout_engine import (PROMPTS, assert_same_completion, full_forward_scores, greedy, make_model,
                                            seeded)
 
@@ -232,6 +232,18 @@ def test_eks_p5en_rollout_settings_fit_one_h200_at_the_30b_shape():
     assert f"max_seq_len={cfg.rollout.max_seq_len}" in plan.describe()
     # The slab it replaces needed 256 x 5120 positions: more than the GPU holds next to the weights.
     assert 256 * 5120 * plan.kv_bytes_per_token + weights > H200_BYTES
+
+
+def test_prefill_reserve_counts_the_tokens_a_step_can_prefill():
+    """`moerl bench rollout` sets max_prefill_tokens=2**20 (prefill everything at once); a step still prefills at
+    most max_batch_size x prefill_chunk tokens, and the reserve is sized from that (it asked 148 GB on an H200)."""
+    arch = MoEModelConfig(**QWEN3_30B_A3B)
+    bench = EngineConfig(max_batch_size=256, max_seq_len=384, prefill_chunk=128, max_prefill_tokens=1 << 20)
+    plan = plan_memory(arch, bench, torch.bfloat16, weights=61 * 10**9, total_bytes=H200_BYTES,
+                       free_bytes=H200_BYTES)
+    assert plan.reserve_bytes < 8e9 and plan.max_full_requests >= 256
+    small = EngineConfig(max_batch_size=256, max_seq_len=384, prefill_chunk=128, max_prefill_tokens=4096)
+    assert activation_reserve(arch, small, torch.bfloat16, False) < plan.reserve_bytes
 
 
 def test_memory_plan_errors_name_the_setting(model):
