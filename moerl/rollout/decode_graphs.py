@@ -33,6 +33,49 @@ class DecodeBatch:
         return cls(zeros(n), zeros(n), zeros(n, width), SamplingBatch.empty(n, device), [None] * n)
 
 
+    def fill(self, reqs: list, table_RW: torch.Tensor, staging: HostStaging) -> None:
+        """Write reqs' inputs into these (static) tensors in place; row = the request's table row, and rows
+        without a decoding request keep block table zeros, so they write to the null block. Host work here
+        delays every decode step, so the per-row ints travel in one staged host-to-device copy, and a row's
+        sampling settings are written only when another request took the row."""
+        width = max(len(r.blocks) for r in reqs)  # live blocks of the longest row: copy no more
+        staged = staging.take(len(reqs), 3 + width)
+        host = staged.numpy()
+        host[:, 0] = slots = [r.slot for r in reqs]
+        host[:, 1] = [r.tokens[-1] for r in reqs]
+        host[:, 2] = [r.num_computed for r in reqs]
+        host[:, 3:] = table_RW.numpy()[slots, :width]
+        rows_BC = staged.to(self.ids_B.device, non_blocking=True)  # staging is reused only after the step's sync
+        rows = rows_BC[:, 0]
+        self.ids_B.zero_()
+        self.pos_B.zero_()
+        self.table_BW.zero_()
+        self.ids_B[rows] = rows_BC[:, 1]
+        self.pos_B[rows] = rows_BC[:, 2]
+        self.table_BW[rows, :width] = rows_BC[:, 3:]
+        self.sampling.position_B[rows] = rows_BC[:, 2] + 1  # decoding: len(tokens) = num_computed + 1
+        new = [r for r in reqs if self.owners[r.slot] is not r]
+        if new:
+            self.sampling.set_rows([r.slot for r in new], [r.params for r in new], [r.seed for r in new],
+                                   [len(r.tokens) for r in new])
+            for r in new:
+                self.owners[r.slot] = r
+
+
+class HostStaging:
+    """A reused host int64 buffer for decode inputs: pinned on CUDA (so the copy is asynchronous)."""
+
+    def __init__(self, device: torch.device, min_numel: int) -> None:
+        self.pin, self.min_numel = device.type == "cuda", min_numel
+        self.buf: torch.Tensor | None = None
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        need = rows * cols
+        if self.buf is None or self.buf.numel() < need:
+            self.buf = torch.empty(max(need, self.min_numel), dtype=torch.long, pin_memory=self.pin)
+        return self.buf[:need].view(rows, cols)
+
+
 # fill(reqs, n, batch): write the batch's inputs into the static tensors in place.
 FillInputs = Callable[[list, int, DecodeBatch], None]
 # decode(batch, kv_len, hints) -> (token_B, logprob_B, routing_BLK): what is captured.

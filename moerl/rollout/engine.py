@@ -29,7 +29,7 @@ from moerl import kernels
 from moerl.kernels import use_triton
 from moerl.model.transformer import MoECausalLM
 from moerl.rollout.block_pool import ROOT
-from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs
+from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs, HostStaging
 from moerl.rollout.kv_cache import PagedKVCache
 from moerl.rollout.memory import plan_for_device
 from moerl.rollout.sampling import SamplingBatch, SamplingParams, fused_sampler_ok, sample, sampling_hints
@@ -105,7 +105,7 @@ class Engine:
             self.cache.decode_kernel = kernels.paged_decode_ok(self.device, self.dtype, arch.num_attention_heads,
                                                                arch.num_key_value_heads, arch.head_dim,
                                                                config.kv_block_size)
-        self._stage_buf: torch.Tensor | None = None  # decode_inputs' host staging buffer
+        self._staging = HostStaging(self.device, 2 * config.max_batch_size * 8)  # decode inputs' host buffer
         self.waiting: list[_Request] = []
         self.running: dict[str, _Request] = {}  # id -> request, in admission order (the newest is preempted first)
         self.by_id: dict[str, _Request] = {}
@@ -376,42 +376,8 @@ class Engine:
         self.stats["preemptions"] += 1
 
     def decode_inputs(self, reqs: list[_Request], n: int, batch: DecodeBatch) -> None:
-        """Fill a padded decode batch of n rows (row = the request's table row); rows without a decoding request
-        keep block table zeros, so they write to the null block. Host work here delays every decode step, so the
-        per-row ints travel in one staged host-to-device copy, and a row's sampling settings are written only
-        when another request took the row."""
-        dev = batch.ids_B.device
-        width = max(len(r.blocks) for r in reqs)  # live blocks of the longest row: copy no more
-        staged = self._staging(len(reqs), 3 + width)
-        host = staged.numpy()
-        host[:, 0] = slots = [r.slot for r in reqs]
-        host[:, 1] = [r.tokens[-1] for r in reqs]
-        host[:, 2] = [r.num_computed for r in reqs]
-        host[:, 3:] = self.cache.table_RW.numpy()[slots, :width]
-        rows_B4 = staged.to(dev, non_blocking=True)  # the staging buffer is reused only after this step's sync
-        rows = rows_B4[:, 0]
-        batch.ids_B.zero_()
-        batch.pos_B.zero_()
-        batch.table_BW.zero_()
-        batch.ids_B[rows] = rows_B4[:, 1]
-        batch.pos_B[rows] = rows_B4[:, 2]
-        batch.table_BW[rows, :width] = rows_B4[:, 3:]
-        batch.sampling.position_B[rows] = rows_B4[:, 2] + 1  # decoding: len(tokens) = num_computed + 1
-        new = [r for r in reqs if batch.owners[r.slot] is not r]
-        if new:
-            batch.sampling.set_rows([r.slot for r in new], [r.params for r in new], [r.seed for r in new],
-                                    [len(r.tokens) for r in new])
-            for r in new:
-                batch.owners[r.slot] = r
-
-    def _staging(self, rows: int, cols: int) -> torch.Tensor:
-        """A host int64 [rows, cols] buffer for decode inputs: pinned on CUDA (an asynchronous copy), reused."""
-        need = rows * cols
-        if self._stage_buf is None or self._stage_buf.numel() < need:
-            pin = self.device.type == "cuda"
-            self._stage_buf = torch.empty(max(need, 2 * self.config.max_batch_size * 8), dtype=torch.long,
-                                          pin_memory=pin)
-        return self._stage_buf[:need].view(rows, cols)
+        """Fill a padded decode batch of n rows from reqs (what the decode graphs call before a replay)."""
+        batch.fill(reqs, self.cache.table_RW, self._staging)
 
     def decode_forward(self, batch: DecodeBatch, kv_len: int, hints: dict | None = None):
         """The decode computation: a forward over a padded batch, then sampling (what the graphs capture)."""
