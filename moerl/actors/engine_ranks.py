@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moerl.actors.weight_sync.broadcast import connect_store, host_store
+from moerl.rendezvous import connect_store, host_store
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
 from moerl.rollout.engine_group import EngineGroup

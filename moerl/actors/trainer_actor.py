@@ -59,7 +59,8 @@ class TrainerRank:
     def rendezvous(self) -> str:
         """Rank 0 hosts the group's rendezvous store on its node's address (only there: the store has no
         authentication) and returns host:port."""
-        from moerl.actors.weight_sync.broadcast import host_store, node_address
+        from moerl.actors.weight_sync.broadcast import node_address
+        from moerl.rendezvous import host_store
 
         host = node_address()
         self._store = host_store(host, timeout_s=self.spec.collective_timeout_s)

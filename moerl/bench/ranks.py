@@ -9,7 +9,6 @@ rank_fn must be a module-level function (spawn pickles it by name); rank 0's ret
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -18,6 +17,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from moerl.rendezvous import connect_store, host_store
 
 # NVLink multicast off (read at NCCL / NVSHMEM init): see the device notes of the machines we are lent.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -36,7 +37,9 @@ def init_rank(rank: int, world: int, port: int | None, device_type: str) -> torc
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
     backend = "gloo" if device.type == "cpu" else "nccl"
-    init = {} if port is None else dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # spawned ranks meet on the store spawn_ranks serves on 127.0.0.1 (a tcp:// init_method's store would
+    # listen on every interface)
+    init = {} if port is None else dict(store=connect_store("127.0.0.1", port), rank=rank, world_size=world)
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None, **init)
     return device
 
@@ -45,9 +48,8 @@ def spawn_ranks(world: int, rank_fn: RankFn, args, timeout_s: float) -> tuple[bo
     """Run `world` ranks in spawned processes on 127.0.0.1; return (ok, rank 0's report or the errors)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = host_store("127.0.0.1", timeout_s=timeout_s)  # served here for the ranks' lifetime, loopback only
+    port = store.port
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
         procs = [ctx.Process(target=_worker, args=(r, world, port, tmp, rank_fn, args), daemon=True)

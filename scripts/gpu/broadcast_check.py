@@ -64,7 +64,8 @@ def same(buffers: list[torch.Tensor], version: int) -> bool:
 
 
 def member(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
-    from moerl.actors.weight_sync.broadcast import BroadcastFailed, BroadcastGroup, connect_store
+    from moerl.actors.weight_sync.broadcast import BroadcastFailed, BroadcastGroup
+    from moerl.rendezvous import connect_store
 
     def report(*what) -> None:
         results.put((rank, *what))
@@ -141,7 +142,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
 
-    from moerl.actors.weight_sync.broadcast import host_store
+    from moerl.rendezvous import host_store
 
     world = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if args.device == "cuda" and (torch.cuda.device_count() < 2 or world < 2):

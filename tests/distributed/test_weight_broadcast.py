@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from moerl.actors.weight_sync.broadcast import BroadcastFailed, BroadcastGroup, connect_store, host_store
+from moerl.actors.weight_sync.broadcast import BroadcastFailed, BroadcastGroup
+from moerl.rendezvous import connect_store, host_store
 from moerl.actors.weight_sync.buckets import Layout, plan, views
 
 pytestmark = pytest.mark.distributed

@@ -78,7 +78,7 @@ def _cmdline(pid: int) -> str:
 
 
 def test_store_listens_on_its_host_only():
-    from moerl.actors.weight_sync.broadcast import host_store
+    from moerl.rendezvous import host_store
 
     store = host_store("127.0.0.1")
     mine = [addr for inode, addr in _listeners().items() if inode in _sockets_of(os.getpid())

@@ -22,7 +22,6 @@ itself, aborts the communicator on either and raises here instead.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -61,19 +60,6 @@ class BroadcastFailed(RuntimeError):
         self.generation, self.cause = generation, cause
 
 
-def host_store(host: str, port: int = 0, timeout_s: float = 60) -> dist.TCPStore:
-    """The rendezvous store, served by this process on `host`:`port` (0: a free one, then read `store.port`).
-    It listens on `host` only, not on every interface as a TCPStore does by default: the store has no
-    authentication, so it is reachable only where its members are (127.0.0.1 on a local run)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    bound = sock.getsockname()[1]
-    return dist.TCPStore(host, bound, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=sock.detach())  # the store owns the listening socket from here
-
-
 def node_address() -> str:
     """This Ray node's address as the cluster knows it (127.0.0.1 for a local run): the one to serve a store on.
     (`ray.util.get_node_ip_address()` returns the host's routed IP instead, so a local store would face the
@@ -82,10 +68,6 @@ def node_address() -> str:
 
     worker = ray._private.worker.global_worker
     return getattr(worker, "node_ip_address", None) or ray.util.get_node_ip_address()
-
-
-def connect_store(host: str, port: int, timeout_s: float = 60) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class BroadcastGroup:

@@ -75,7 +75,8 @@ class Publisher:
         """Fill the send buffers with `version` and start sending them to generation `generation` of the group
         (formed first when new) on a thread of its own. Returns the shard the members take and why the previous
         send failed ("" when it did not): the driver then forms the next generation without the lost member."""
-        from moerl.actors.weight_sync.broadcast import host_store, node_address
+        from moerl.actors.weight_sync.broadcast import node_address
+        from moerl.rendezvous import host_store
 
         failed = self._wait_send()
         if not self.layouts:  # this rank publishes nothing (a data-parallel rank > 0): no group to form

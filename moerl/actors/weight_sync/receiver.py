@@ -46,7 +46,8 @@ class Receiver:
 
 
     def _receive_broadcast(self, shard: BroadcastShard) -> Published:
-        from moerl.actors.weight_sync.broadcast import BroadcastGroup, connect_store
+        from moerl.actors.weight_sync.broadcast import BroadcastGroup
+        from moerl.rendezvous import connect_store
 
         key = (shard.host, shard.port)  # one group per sending rank
         with self.lock:
