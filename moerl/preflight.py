@@ -18,6 +18,7 @@ checks raise PreflightError. Nothing here imports Ray.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from pathlib import Path
@@ -134,8 +135,6 @@ def check_task(cfg: MoerlConfig) -> Task:
         raise PreflightError(f"task {name!r}: prompt 0 has {n} tokens, rollout.max_seq_len={r.max_seq_len} leaves no "
                              "room for a completion: raise rollout.max_seq_len")
     if n + r.max_new_tokens > r.max_seq_len:
-        import logging
-
         logging.getLogger(__name__).warning(
             "rollout.max_new_tokens=%d: prompt 0 has %d tokens, so rollout.max_seq_len=%d cuts its completion at %d "
             "tokens (raise rollout.max_seq_len to %d)", r.max_new_tokens, n, r.max_seq_len, r.max_seq_len - n,

@@ -32,7 +32,6 @@ class DecodeBatch:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
         return cls(zeros(n), zeros(n), zeros(n, width), SamplingBatch.empty(n, device), [None] * n)
 
-
     def fill(self, reqs: list, table_RW: torch.Tensor, staging: HostStaging) -> None:
         """Write reqs' inputs into these (static) tensors in place; row = the request's table row, and rows
         without a decoding request keep block table zeros, so they write to the null block. Host work here

@@ -105,7 +105,8 @@ class Engine:
             self.cache.decode_kernel = kernels.paged_decode_ok(self.device, self.dtype, arch.num_attention_heads,
                                                                arch.num_key_value_heads, arch.head_dim,
                                                                config.kv_block_size)
-        self._staging = HostStaging(self.device, 2 * config.max_batch_size * 8)  # decode inputs' host buffer
+        # decode inputs' host buffer, at its largest: every row, 3 ints + a full block table row
+        self._staging = HostStaging(self.device, config.max_batch_size * (3 + self.cache.width))
         self.waiting: list[_Request] = []
         self.running: dict[str, _Request] = {}  # id -> request, in admission order (the newest is preempted first)
         self.by_id: dict[str, _Request] = {}
@@ -234,23 +235,8 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  prefixes: Sequence[Completion | None] | None = None) -> list[Completion]:
         """Run the prompts to completion. A request that is refused comes back with finish_reason "error"."""
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        ids: list[str | Completion] = []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids.append(self.submit(prompt, params_list[i], prefix=prefixes[i] if prefixes else None))
-            except ValueError as e:
-                ids.append(Completion(f"error-{i}", list(prompt), finish_reason="error", error=str(e)))
-        done: dict[str, Completion] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.completion is not None:
-                    done[out.request_id] = out.completion
-        for rid in [i for i in ids if isinstance(i, str) and i in self.by_id]:  # finished at submit
-            done[rid] = self._release(self.by_id[rid])
-        return [i if isinstance(i, Completion) else done[i] for i in ids]
+        return run_to_completion(self.submit, self.step, self.has_unfinished, prompts, params, prefixes)
 
-    @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One scheduling step: admit, prefill chunks, one decode forward. Returns per-request deltas.
 
@@ -457,6 +443,27 @@ class Engine:
         targets = torch.tensor(req.generated, device=self.device)
         completion.logprobs = logp_TV.gather(1, targets[:, None]).squeeze(1).tolist()
         completion.routed_experts = out.routed_experts_BTLK[0].to(torch.int16).cpu()
+
+
+def run_to_completion(submit, step, unfinished, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams | Sequence[SamplingParams],
+                      prefixes: Sequence[Completion | None] | None = None) -> list[Completion]:
+    """Submit every prompt, step while `unfinished()`, and return one Completion per prompt in order (a refused
+    request comes back with finish_reason "error"). Requests complete at submit are reported by the next step.
+    Engine.generate and EngineGroup.generate (whose `unfinished` asks every rank) both run this."""
+    params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    ids: list[str | Completion] = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids.append(submit(prompt, params_list[i], prefix=prefixes[i] if prefixes else None))
+        except ValueError as e:
+            ids.append(Completion(f"error-{i}", list(prompt), finish_reason="error", error=str(e)))
+    done: dict[str, Completion] = {}
+    while unfinished():
+        for out in step():
+            if out.completion is not None:
+                done[out.request_id] = out.completion
+    return [i if isinstance(i, Completion) else done[i] for i in ids]
 
 
 def _token_ids(tokens: Sequence[int]) -> list[int]:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from moerl.model.moe import is_expert_param
 from moerl.model.transformer import MoECausalLM
-from moerl.rollout.engine import Engine, EngineConfig
+from moerl.rollout.engine import Engine, EngineConfig, run_to_completion
 from moerl.rollout.sampling import SamplingParams
 from moerl.rollout.types import Completion, StepOutput
 
@@ -120,19 +120,7 @@ class EngineGroup:
                  prefixes: Sequence[Completion | None] | None = None) -> list[Completion]:
         """Run this rank's prompts (maybe none) to completion while the other ranks run theirs (collective).
         A request that is refused comes back with finish_reason "error", as from Engine.generate."""
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        ids: list[str | Completion] = []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids.append(self.submit(prompt, params_list[i], prefix=prefixes[i] if prefixes else None))
-            except ValueError as e:
-                ids.append(Completion(f"error-{i}", list(prompt), finish_reason="error", error=str(e)))
-        done: dict[str, Completion] = {}
-        while self.any_unfinished():
-            for out in self.step():
-                if out.completion is not None:
-                    done[out.request_id] = out.completion
-        return [i if isinstance(i, Completion) else done[i] for i in ids]
+        return run_to_completion(self.submit, self.step, self.any_unfinished, prompts, params, prefixes)
 
     def _agree_max(self, values: list[int]) -> list[int]:
         """Element-wise max of `values` over the ranks: one all_reduce of a few integers."""
