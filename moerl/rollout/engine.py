@@ -237,6 +237,7 @@ class Engine:
         """Run the prompts to completion. A request that is refused comes back with finish_reason "error"."""
         return run_to_completion(self.submit, self.step, self.has_unfinished, prompts, params, prefixes)
 
+    @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One scheduling step: admit, prefill chunks, one decode forward. Returns per-request deltas.
 
@@ -307,8 +308,8 @@ class Engine:
         ids_BT = torch.tensor([r.tokens[r.num_computed: r.num_computed + n] for r in reqs], device=dev)
         slots = [r.slot for r in reqs]
         plan = self.cache.prefill_plan(slots, pos_BT)
-        out = self.model.forward_full(ids_BT, position_ids_BT=pos_BT.to(dev), kv_caches=self.cache.views(plan),
-                                      last_logits_only=True)
+        out = self.forward(ids_BT, position_ids_BT=pos_BT.to(dev), kv_caches=self.cache.views(plan),
+                           last_logits_only=True)
         self.cache.store_routing(slots, pos_BT, out.routed_experts_BTLK.to(torch.int16).cpu())
         for req in reqs:
             req.num_computed += n
@@ -368,10 +369,17 @@ class Engine:
     def decode_forward(self, batch: DecodeBatch, kv_len: int, hints: dict | None = None):
         """The decode computation: a forward over a padded batch, then sampling (what the graphs capture)."""
         plan = self.cache.decode_plan(batch.pos_B, batch.table_BW, kv_len)
-        out = self.model.forward_full(batch.ids_B[:, None], position_ids_BT=batch.pos_B[:, None],
-                                      kv_caches=self.cache.views(plan))
+        out = self.forward(batch.ids_B[:, None], position_ids_BT=batch.pos_B[:, None],
+                           kv_caches=self.cache.views(plan))
         token_B, logprob_B = sample(out.logits_BTV[:, -1], batch.sampling, **(hints or {}))
         return token_B, logprob_B, out.routed_experts_BTLK[:, 0]
+
+    @torch.no_grad()
+    def forward(self, ids_BT: torch.Tensor, **kwargs):
+        """Every forward of the engine goes through here, so none records autograd whoever drives the engine
+        (step, an engine group's phases, a decode graph's capture): a recorded graph would keep every step's
+        activations alive (a dropped decorator once grew memory ~9 GB per 400 decode steps)."""
+        return self.model.forward_full(ids_BT, **kwargs)
 
     def _decode_eager(self, reqs: list[_Request], n: int):
         batch = DecodeBatch.empty(n, max(len(r.blocks) for r in reqs), self.device)
@@ -437,7 +445,7 @@ class Engine:
         """Deterministic mode: log-probs and routing from one full forward over the positions the engine ran,
         the function the trainer computes, so they agree bitwise (see docs/rollout.md)."""
         inputs = torch.tensor([req.tokens[:-1]], device=self.device)
-        out = self.model.forward_full(inputs)
+        out = self.forward(inputs)
         temp = req.params.temperature or 1.0
         logp_TV = torch.log_softmax(out.logits_BTV[0, req.num_prompt - 1:].float() / temp, dim=-1)
         targets = torch.tensor(req.generated, device=self.device)

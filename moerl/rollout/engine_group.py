@@ -129,6 +129,7 @@ class EngineGroup:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
+    @torch.no_grad()
     def _empty_forward(self) -> None:
         """Take part in every MoE layer's dispatch/combine with no tokens of our own (see the module docstring)."""
         model = self.engine.model

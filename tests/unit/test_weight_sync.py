@@ -44,3 +44,26 @@ def test_engine_weights_equal_the_trainers_after_every_sync():
         want, got = trainer.model.state_dict(), engine.model.state_dict()
         assert engine.version == version and sorted(want) == sorted(got)
         assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+
+
+def test_shared_opener_keeps_buffers_of_one_cuda_segment_apart(monkeypatch):
+    """Two bucket buffers that the caching allocator carved out of one CUDA segment share its IPC memory handle
+    at different storage offsets: each must map to its own buffer (keyed by the handle alone, the second was
+    read from the first's bytes, and the engine decoded with wrong weights on every other version)."""
+    from moerl.actors.weight_sync.buckets import plan
+    from moerl.actors.weight_sync.shared import Location, SharedBucket, SharedOpener
+
+    layout = plan([("w", torch.bfloat16, (512, 1024), None)], 1 << 20)[0]
+
+    def ipc(offset_bytes: int) -> tuple:  # rebuild_cuda_tensor's arguments as reduce_tensor gives them
+        return (torch.Tensor, (layout.nbytes,), (1,), 0, torch.storage.UntypedStorage, torch.uint8, 0,
+                b"one-segment-handle", layout.nbytes, offset_bytes, False, b"ref", 0, b"event", True)
+
+    where = Location("node", ("GPU-0",))
+    first, second = (SharedBucket(layout, where, cuda_ipc=ipc(o)) for o in (0, layout.nbytes))
+    mapped = []
+    monkeypatch.setattr(SharedOpener, "_map", staticmethod(lambda b: mapped.append(b) or torch.full((1,), len(mapped))))
+    opener = SharedOpener()
+    a, b = opener.open(first), opener.open(second)
+    assert mapped == [first, second] and not torch.equal(a, b)
+    assert opener.open(first) is a and opener.open(second) is b and len(mapped) == 2  # each mapped once

@@ -110,12 +110,22 @@ class SharedOpener:
         self._open: dict[object, torch.Tensor] = {}
 
     def open(self, bucket: SharedBucket) -> torch.Tensor:
-        key = bucket.cuda_ipc[7] if bucket.cuda_ipc is not None else bucket.path  # the IPC handle or the file
-        flat = self._open.get(key)
+        flat = self._open.get(key := self.key(bucket))
         if flat is None:
             flat = self._map(bucket)
             self._open[key] = flat
         return flat
+
+    @staticmethod
+    def key(bucket: SharedBucket) -> tuple:
+        """What identifies a buffer. On CUDA not the memory handle alone: the caching allocator carves several
+        buffers out of one segment, and they share its handle at different offsets (keyed by the handle, every
+        other version's buckets were read from another bucket's bytes). So: the handle, the storage's offset in
+        the segment, the tensor's offset and size in the storage."""
+        if bucket.cuda_ipc is None:
+            return ("file", bucket.path)
+        ipc = bucket.cuda_ipc  # rebuild_cuda_tensor's arguments: [1] size, [3] offset, [7] handle, [9] offset bytes
+        return ("cuda", ipc[7], ipc[9], ipc[3], tuple(ipc[1]))
 
     @staticmethod
     def _map(bucket: SharedBucket) -> torch.Tensor:
