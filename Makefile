@@ -6,7 +6,7 @@ TORCH_PIN ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moerl-installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-gpu venv clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -ra
+
+# The GPU suite (tests/gpu), on a CUDA machine in one call: no venv there, the image's python3 and torch; Ray and the
+# other wheels that image lacks come from .whl/ when present (../shared/tools/device-wheels.sh builds it).
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/moerl-site
+test-gpu:
+	@if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 \
+		$(GPU_PY) -m pytest tests/gpu -m gpu -q -ra -p no:cacheprovider --durations=20 $(GPU_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
