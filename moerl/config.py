@@ -158,6 +158,10 @@ class TrainConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no gradient), lease more
     # groups dropped per step at most (0 = 4 x batch_groups); past it all-equal groups are kept, with a warning
     dynamic_sampling_max_extra: int = 0
+    # is/behaviour_kl (per token) over this is said on the console and in error.log, once per episode (0 = off):
+    # bf16 numerics alone stay near 1e-4; far above, the trainer learns from another policy's samples
+    behaviour_kl_bound: float = 0.05
+    time_limit_s: float = 0.0  # RL ends after this many seconds (saved as on a graceful stop) if `steps` are not done; 0 = none
     loss: LossConfig = field(default_factory=LossConfig)  # the policy loss (moerl/train/loss.py)
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule
 
@@ -172,6 +176,8 @@ class TrainConfig:
         require(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 0 (0 = one micro-batch per step)")
         require(self.dynamic_sampling_max_extra >= 0, "dynamic_sampling_max_extra",
                 "must be >= 0 (0 = 4 x batch_groups)")
+        require(self.behaviour_kl_bound >= 0, "behaviour_kl_bound", "must be >= 0 (0 = off)")
+        require(self.time_limit_s >= 0, "time_limit_s", "must be >= 0 (0 = none)")
 
     def dynamic_sampling_limit(self) -> int:
         """Groups dynamic sampling may drop (and lease again) per step."""

@@ -114,14 +114,19 @@ def warm_start(trainer, task: Task, cfg: MoerlConfig, log, stop: Callable[[], bo
     for step in range(cfg.train.sft_steps):
         if stop():
             return False
-        samples = []
-        for j in range(cfg.train.sft_batch):
-            prompt_ids, target_ids = task.sft_example(1_000_000 + step * cfg.train.sft_batch + j)
-            samples.append(Sample(prompt_ids, target_ids, [0.0] * len(target_ids), 0.0, None))
-        metrics = trainer.sft_step(samples)
+        metrics = trainer.sft_step(sft_samples(task, step, cfg.train.sft_batch))
         log(step, metrics)
     trainer.set_lr(cfg.train.optim.lr)
     return True
+
+
+def sft_samples(task: Task, step: int, batch: int) -> list[Sample]:
+    """Warm-start step `step`'s batch: the task's reference answers, from an index range of their own."""
+    samples = []
+    for j in range(batch):
+        prompt_ids, target_ids = task.sft_example(1_000_000 + step * batch + j)
+        samples.append(Sample(prompt_ids, target_ids, [0.0] * len(target_ids), 0.0, None))
+    return samples
 
 
 def eval_plan(cfg: MoerlConfig, task: Task):
@@ -269,7 +274,7 @@ def _loop_config(cfg: MoerlConfig):
     return LoopConfig(steps=cfg.train.steps, batch_groups=cfg.train.batch_groups, group_size=cfg.rollout.group_size,
                       max_staleness=cfg.train.max_staleness, mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
                       max_inflight_per_worker=cfg.rollout.inflight_groups(), deterministic=cfg.run.deterministic,
-                      checkpoint_every=cfg.checkpoint.every)
+                      checkpoint_every=cfg.checkpoint.every, time_limit_s=cfg.train.time_limit_s)
 
 
 def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None,
@@ -293,6 +298,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     from moerl.loop.evaluation import Evaluator
     from moerl.loop.samples import SampleBuilder
     from moerl.loop.work_queue import WorkQueue
+    from moerl.runlog.mismatch import BehaviourKLWatch
     from moerl.runlog.reporter import RunReporter
 
     run_dir = Path(cfg.run.dir)
@@ -354,9 +360,11 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         weights = RayWeightSync(trainer, workers, cfg.weights.transport, cfg.weights.bucket_mb << 20,
                                 cfg.weights.timeout_s)
         builder = SampleBuilder(task, cfg.train.loss.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
+        kl_watch = BehaviourKLWatch(cfg.train.behaviour_kl_bound, lambda text: report.event("warning", text))
 
         def on_step(step: int, metrics: dict, rows: list[dict]) -> None:
             row = report.step(step, metrics, builder.add_text(rows))  # text decoded here: off the trainer's path
+            kl_watch.observe(step, row)
             last.clear()
             last.update({k: v for k, v in row.items() if isinstance(v, float)})
 
@@ -444,7 +452,7 @@ def main(argv: list[str]) -> int:
         print(_stopped_line(result, again))
         return 128 + result["stopped"]
     m = result["metrics"]
-    print(f"done: {cfg.train.steps} steps in {m.get('elapsed_s', 0):.0f}s, final reward/mean "
+    print(f"done: {result['step']} steps in {m.get('elapsed_s', 0):.0f}s, final reward/mean "
           f"{m.get('reward/mean', float('nan')):.3f}; outputs in {cfg.run.dir}")
     print(f"counters: {result['counters']}")
     return 0
@@ -482,7 +490,8 @@ def _error(e: BaseException, debug: bool, run_dir: Path | None = None, suffix: s
         print(text, file=sys.stderr, end="")
     elif run_dir is not None and run_dir.is_dir():
         try:
-            (run_dir / "error.log").write_text(text)
+            with open(run_dir / "error.log", "a") as f:  # after the run's warnings, if any
+                f.write(text)
             suffix += f" (traceback in {run_dir / 'error.log'})"
         except OSError:
             pass

@@ -6,6 +6,7 @@ host that has nothing of ours installed but this source tree.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -76,11 +77,12 @@ def format_table(title: str, rows: list[Row], peer_name: str = "peer") -> str:
     lines = []
     for r in rows:
         ratio = ""
-        if r.peer is not None and r.peer > 0 and r.ours > 0:
+        finite = r.peer is not None and math.isfinite(r.peer) and math.isfinite(r.ours)
+        if finite and r.peer > 0 and r.ours > 0:
             ratio = f"{(r.ours / r.peer) if r.higher_is_better else (r.peer / r.ours):.2f}x"
         frac = f"{100 * r.ours / r.ceiling:.1f}%" if r.ceiling else ""
-        peer = f"{r.peer:,.4g} {r.unit}" if r.peer is not None else "-"
-        lines.append([r.metric, f"{r.ours:,.4g} {r.unit}", peer, ratio, frac])
+        value = lambda v: f"{v:,.4g} {r.unit}" if math.isfinite(v) else "-"  # noqa: E731 - inf/nan: none measured
+        lines.append([r.metric, value(r.ours), value(r.peer) if r.peer is not None else "-", ratio, frac])
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [title, fmt.format(*header), fmt.format(*("-" * w for w in widths))]

@@ -62,9 +62,22 @@ def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> d
     inner = {k: sum(r.get(f"time/{k}_s", 0.0) for r in rl) / max(len(rl), 1)
              for k in ("fwd_bwd", "optimizer", "generate", "apply", "publish", "transfer", "step")}
     tail = rl[-max(1, len(rl) // 5):]
-    return {"samples_per_s": samples / max(wall, 1e-9), "tokens_per_s": tokens / max(wall, 1e-9),
+    kl = sorted(r.get("is/behaviour_kl", 0.0) for r in rl) or [0.0]
+    return {"kl_max": kl[-1], "kl_median": kl[len(kl) // 2], "samples_per_s": samples / max(wall, 1e-9), "tokens_per_s": tokens / max(wall, 1e-9),
             "reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail), "phases": phases, "inner": inner,
             "stale_dropped": rows[-1].get("count/stale_dropped", 0), "groups": rows[-1].get("count/groups_done", 0)}
+
+
+def kl_verdict(worst: dict[str, float], bound: float | None = None) -> str:
+    """One line: is every mode's worst step under the run's behaviour-KL bound (train.behaviour_kl_bound)?"""
+    from moerl.config import TrainConfig
+
+    bound = TrainConfig.behaviour_kl_bound if bound is None else bound
+    over = {mode: kl for mode, kl in worst.items() if kl > bound}
+    if not over:
+        return f"behaviour KL: every step of every mode under the bound {bound:g}"
+    return ("behaviour KL OVER the bound " + f"{bound:g}: " + ", ".join(f"{m} worst step {kl:.3g}" for m, kl in over.items())
+            + ": the samples were drawn by another policy than the trainer's (see moerl/runlog/mismatch.py)")
 
 
 def engine_alone(args: argparse.Namespace, gpu: bool, batches: int = 3) -> dict:
@@ -123,9 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             Row("tokens generated and trained", asyn["tokens_per_s"], sync["tokens_per_s"], "tok/s"),
             Row("loop efficiency (async / engine alone)", asyn["samples_per_s"], alone["samples_per_s"],
                 "samples/s", ceiling=alone["samples_per_s"]),
-            Row("reward, last 20% of steps", asyn["reward"], sync["reward"], "")]
+            Row("reward, last 20% of steps", asyn["reward"], sync["reward"], ""),
+            Row("behaviour KL per token, median step", asyn["kl_median"], sync["kl_median"], "nats",
+                higher_is_better=False),
+            Row("behaviour KL per token, worst step", asyn["kl_max"], sync["kl_max"], "nats", higher_is_better=False)]
     print(format_table("\nthe RL loop (peer column: sync mode; efficiency row: the engine alone)", rows,
                        peer_name="sync / alone"))
+    print(kl_verdict({"async": asyn["kl_max"], "sync": sync["kl_max"]}))
     for name, r in (("async", asyn), ("sync", sync)):
         shares = " ".join(f"{p} {100 * f:.0f}%" for p, f in r["phases"].items())
         inner = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r["inner"].items())

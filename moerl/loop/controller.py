@@ -43,6 +43,7 @@ class LoopConfig:
     poll_s: float = 0.05
     deterministic: bool = False  # batches in task-id order, so the optimizer sees the same sample order
     checkpoint_every: int = 0  # save every N steps (with a Checkpoints part); 0 = only on a graceful stop
+    time_limit_s: float = 0.0  # end (as a graceful stop: in-flight work kept, saved) after this much RL; 0 = none
 
 
 @dataclass
@@ -83,8 +84,9 @@ class Controller:
         self.weights.deliver(wait=True)
         if self.evaluator is not None:
             self.evaluator.start_of_run(self.state.step, self.state.version)
+        deadline = time.monotonic() + self.cfg.time_limit_s if self.cfg.time_limit_s > 0 else float("inf")
         while self.state.step < self.cfg.steps:
-            if self.stop_requested():
+            if self.stop_requested() or time.monotonic() >= deadline:
                 self._graceful_stop()
                 break
             if self.checkpoints is not None:

@@ -200,6 +200,12 @@ class RunReporter:
         printed as a line of its own. The hook given to the Ray parts: `on_event=report.event`."""
         self.events.append((kind, text))
         self.progress.stage(f"warning: {text}" if kind == "warning" else text)
+        if kind == "warning":  # kept where a failed run's traceback goes, so no warning is seen only in passing
+            try:
+                with open(self.run_dir / "error.log", "a") as f:
+                    f.write(f"[{format_duration(self.progress.elapsed())}] warning: {text}\n")
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------------------------------ the end
     def finish(self) -> None:

@@ -367,3 +367,27 @@ def test_a_graceful_stop_saves_one_consistent_cut(mode):
     assert step == state.step == saved["step"] == trainer_steps >= 3
     completed = saved["queue"]["counters"]["completed"]
     assert completed == step * 2 + len(saved["ready"]) + saved["counters"]["stale_dropped"]
+
+
+def test_a_time_limit_ends_the_run_as_a_graceful_stop(monkeypatch):
+    """train.time_limit_s: once the RL has run that long the loop ends like a graceful stop (the step in flight
+    finishes, one consistent cut is saved), with fewer steps than asked."""
+    import moerl.loop.controller as controller_module
+
+    now = [1000.0]
+    monkeypatch.setattr(controller_module.time, "monotonic", lambda: now[0])
+    ctl, queue, pool = controller(workers=("w0",), auto=True, mode="async", steps=50, batch_groups=2,
+                                  max_inflight_per_worker=4, max_staleness=1, time_limit_s=30.0)
+    ctl.checkpoints = FakeCheckpoints()
+    steps_seen = []
+    on_step = ctl.on_step
+
+    def tick(step, metrics, rows):  # each step takes 10 "seconds"
+        steps_seen.append(step)
+        now[0] += 10.0
+        on_step(step, metrics, rows)
+    ctl.on_step = tick
+    state = ctl.run()
+    assert 3 <= state.step < 50 and state.step == steps_seen[-1]
+    (step, trainer_steps, _), = ctl.checkpoints.saves
+    assert step == trainer_steps == state.step

@@ -353,3 +353,28 @@ def test_an_eval_line_does_not_move_its_steps_time(tmp_path: Path) -> None:
     rows = _metric_rows(tmp_path)
     raw = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[0]["eval/reward"] == 0.5 and rows[0]["samples"] == 8 and rows[0]["time"] == raw[0]["time"]
+
+
+def test_behaviour_kl_over_its_bound_is_said_once_per_episode_and_kept_in_error_log(tmp_path: Path) -> None:
+    """The CUDA IPC bug's signature (KL ~10 nats on every other step) is said on the first step over the bound,
+    not on every step; its return under the bound is said too; both stay in error.log."""
+    from moerl.runlog.mismatch import BehaviourKLWatch
+
+    reporter, stream = _reporter(tmp_path, Clock())
+    watch = BehaviourKLWatch(0.05, lambda text: reporter.event("warning", text))
+    kls = [0.0, 1e-4, 9.5, 0.0, 10.8, 12.0, 0.01, 0.02]
+    for step, kl in enumerate(kls, start=1):
+        watch.observe(step, {"is/behaviour_kl": kl, "is/weight_max": 259.0, "is/weight_min": 0.0,
+                             "staleness/mean": 0.0})
+    warnings = [text for kind, text in reporter.events if kind == "warning"]
+    assert watch.episodes == 2 and len(warnings) == 4, warnings
+    assert warnings[0].startswith("behaviour KL 9.5 per token at step 3 is over train.behaviour_kl_bound=0.05")
+    assert "weight sync" in warnings[0] and "259" in warnings[0]
+    assert warnings[1].startswith("behaviour KL back under 0.05 at step 4") and "peak 9.5" in warnings[1]
+    assert "peak 12" in warnings[3]
+    assert "warning: behaviour KL 9.5" in stream.getvalue()
+    log = (tmp_path / "error.log").read_text()
+    assert log.count("warning: behaviour KL") == 4
+    reporter.close()
+    off = BehaviourKLWatch(0.0, lambda text: pytest.fail(text))  # 0 = off
+    off.observe(1, {"is/behaviour_kl": 50.0})
