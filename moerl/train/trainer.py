@@ -134,6 +134,30 @@ class PolicyTrainer:
         metrics["time/fwd_bwd_s"] = self._now() - t0
         return self._apply(metrics, counts_LE, global_tokens)
 
+    @torch.no_grad()
+    def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Each sample's completion-token log-probs under the current weights, computed as `rl_step` computes
+        them (packing, micro-batches, compute dtype, routing replay, temperature) but with no step: what the
+        rollout's log-probs are checked against (tests/gpu). float32 on the CPU, in the samples' order. One
+        rank only: a sharded model's forward is a collective that the other ranks would have to join."""
+        if self.world > 1:
+            raise ValueError("token_logprobs runs on a single-rank trainer")
+        m = self.model
+        replay = self.routing_replay and all(s.routed_experts is not None for s in samples)
+        by_id: dict[int, torch.Tensor] = {}
+        for chunk in micro_batches(samples, self.micro_batch_tokens):
+            batch = pack(chunk, m.num_moe_layers, m.config.num_experts_per_tok, self.device,
+                         m.config.pad_token_id or 0)
+            with compute_cast(m, self.compute_dtype):
+                out = m.forward_logprobs(batch.input_ids_1T, batch.target_ids_1T, packed=batch.packed,
+                                         routed_experts_BTLK=batch.routed_1TLK if replay else None,
+                                         chunk_tokens=self.logprob_chunk_tokens, temperature=self.temperature)
+            logp_SP = batch.to_grid(out.logprobs_1T).float().cpu()
+            mask_SP = batch.mask_SP.cpu()
+            for i, sample in enumerate(chunk):
+                by_id[id(sample)] = logp_SP[i][mask_SP[i]]
+        return [by_id[id(s)] for s in samples]
+
     def _now(self) -> float:
         """A clock reading after the device's queued work (CUDA runs asynchronously to the host)."""
         if self.device.type == "cuda":

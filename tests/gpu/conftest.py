@@ -41,3 +41,20 @@ def device() -> torch.device:
 def dtype() -> torch.dtype:
     return torch.bfloat16 if HAS_CUDA else torch.float32
 
+
+
+_REPORT: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """report(line): a measured figure printed in the run's summary (the closing table of `make test-gpu`),
+    passed or not, so one device call gives the numbers as well as the verdicts."""
+    return _REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _REPORT:
+        terminalreporter.section("GPU suite: measured")
+        for line in _REPORT:
+            terminalreporter.write_line(line)

@@ -30,8 +30,6 @@ class Receiver:
 
     def receive(self, shards: list) -> Published:
         """The tensors of every shard (object-store refs or buckets, shared-buffer handles), on the engine's device."""
-        import ray
-
         tensors: Published = []
         for shard in shards:
             if isinstance(shard, SharedBucket):  # already on this device: the engine copies straight from it
@@ -40,7 +38,11 @@ class Receiver:
             if isinstance(shard, BroadcastShard):  # received into this worker's own buffers (the staged copy)
                 tensors.extend(self._receive_broadcast(shard))
                 continue
-            bucket: Bucket = ray.get(shard) if isinstance(shard, ray.ObjectRef) else shard
+            if not isinstance(shard, Bucket):  # an object-store ref (Ray imported only then: CUDA IPC needs none)
+                import ray
+
+                shard = ray.get(shard)
+            bucket: Bucket = shard
             tensors.extend(stage(unpack_bucket(bucket), self.device))
         return tensors
 
