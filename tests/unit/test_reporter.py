@@ -232,7 +232,7 @@ def test_checkpointer_reports_commits_and_failures(tmp_path: Path, monkeypatch: 
     class Trainer:
         fail = False
 
-        def save_state(self, path: str, use_async: bool) -> None:
+        def save_state(self, path: str, use_async: bool, target=None) -> None:
             if self.fail:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -357,24 +357,27 @@ def test_an_eval_line_does_not_move_its_steps_time(tmp_path: Path) -> None:
 
 def test_behaviour_kl_over_its_bound_is_said_once_per_episode_and_kept_in_error_log(tmp_path: Path) -> None:
     """The CUDA IPC bug's signature (KL ~10 nats on every other step) is said on the first step over the bound,
-    not on every step; its return under the bound is said too; both stay in error.log."""
+    not on every step, nor again while KL flaps around the bound; its return (3 quiet steps here) is said too;
+    both stay in error.log."""
     from moerl.runlog.mismatch import BehaviourKLWatch
 
     reporter, stream = _reporter(tmp_path, Clock())
-    watch = BehaviourKLWatch(0.05, lambda text: reporter.event("warning", text))
-    kls = [0.0, 1e-4, 9.5, 0.0, 10.8, 12.0, 0.01, 0.02]
+    watch = BehaviourKLWatch(0.05, lambda text: reporter.event("warning", text), quiet_steps=3)
+    kls = [0.0, 1e-4, 9.5, 0.0, 10.8, 0.0, 12.0, 0.01, 0.02, 0.0, 0.01, 0.2, 0.0]
     for step, kl in enumerate(kls, start=1):
         watch.observe(step, {"is/behaviour_kl": kl, "is/weight_max": 259.0, "is/weight_min": 0.0,
                              "staleness/mean": 0.0})
     warnings = [text for kind, text in reporter.events if kind == "warning"]
-    assert watch.episodes == 2 and len(warnings) == 4, warnings
+    assert watch.episodes == 2 and len(warnings) == 3, warnings
     assert warnings[0].startswith("behaviour KL 9.5 per token at step 3 is over train.behaviour_kl_bound=0.05")
-    assert "weight sync" in warnings[0] and "259" in warnings[0]
-    assert warnings[1].startswith("behaviour KL back under 0.05 at step 4") and "peak 9.5" in warnings[1]
-    assert "peak 12" in warnings[3]
+    assert "weight sync" in warnings[0] and "259" in warnings[0] and "max_staleness" not in warnings[0]
+    assert warnings[1] == ("behaviour KL back under 0.05 for 3 steps at step 10; steps 3-7: 3 over it (peak 12)")
+    assert warnings[2].startswith("behaviour KL 0.2 per token at step 12")
     assert "warning: behaviour KL 9.5" in stream.getvalue()
-    log = (tmp_path / "error.log").read_text()
-    assert log.count("warning: behaviour KL") == 4
+    assert (tmp_path / "error.log").read_text().count("warning: behaviour KL") == 3
     reporter.close()
+    stale = []
+    BehaviourKLWatch(0.05, stale.append).observe(1, {"is/behaviour_kl": 0.2, "staleness/mean": 2.0})
+    assert "lower train.optim.lr or train.max_staleness" in stale[0]
     off = BehaviourKLWatch(0.0, lambda text: pytest.fail(text))  # 0 = off
     off.observe(1, {"is/behaviour_kl": 50.0})
