@@ -1,12 +1,12 @@
-"""Check moerl.model.logprobs.chunked_token_logprobs on CUDA: accuracy against a float64 reference, then peak
-extra memory and time of forward+backward against the naive full-logits computation.
+"""Time moerl.model.logprobs.chunked_token_logprobs on CUDA: peak extra memory and time of forward+backward
+against the naive full-logits computation.
 
     python scripts/gpu/logprobs_check.py              # on a CUDA host, from the repo root
     python scripts/gpu/logprobs_check.py --cpu-smoke  # tiny sizes on CPU: exercises the code paths only
 
 Shape legend: N tokens, D hidden size, V vocabulary.
-Prints PASS/FAIL per accuracy check and a table (version, peak extra GB, ms); exits non-zero on any FAIL or
-when the chunked version's extra memory is over 2 GB.
+Prints a table (version, peak extra GB, ms). The accuracy checks against float64 and the chunked version's 2 GB
+bound on extra memory are tests/gpu/test_logprobs_gpu.py (`make test-gpu`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a sourc
 import torch
 
 from moerl.model.logprobs import chunked_token_logprobs
-
-# bf16: grad_z is rounded to bf16 for the tensor-core GEMMs, ~1e-2 on the grads at tau=0.7 (the naive bf16
-# path, printed beside, shows the same); H200 seen: 1.4e-2
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-MEMORY_TARGET_GB = 2.0
 
 
 def naive(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, target_N: torch.Tensor, with_entropy: bool,
@@ -64,35 +59,6 @@ def chunked(hidden_ND, weight_VD, target_N, with_entropy, **kw):
     return chunked_token_logprobs(hidden_ND, weight_VD, target_N, with_entropy=with_entropy, **kw)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def check_accuracy(device: str, N: int, D: int, V: int) -> bool:
-    ok = True
-    h64, w64, target_N, g_logp_N, g_ent_N = inputs(N, D, V, device)
-    for dtype in (torch.float32, torch.bfloat16):
-        for temperature in (1.0, 0.7):
-            # the reference sees the same (rounded) inputs: this measures compute error, not input rounding
-            h, w = (t.to(dtype).requires_grad_(True) for t in (h64, w64))
-            hr, wr = (t.detach().double().requires_grad_(True) for t in (h, w))
-            args = (target_N, g_logp_N, g_ent_N, True)
-            got = fwd_bwd(chunked, h, w, *args, temperature=temperature)
-            again = fwd_bwd(chunked, h, w, *args, temperature=temperature)
-            ref = fwd_bwd(naive, hr, wr, *args, temperature=temperature)
-            base = fwd_bwd(naive, h, w, *args, temperature=temperature)  # the naive way in the same dtype
-            errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-            base_errs = [rel(a, b) for a, b in zip(base, ref, strict=True)]
-            same = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
-            passed = max(errs) <= TOL[dtype] and same
-            ok &= passed
-            print(f"{'PASS' if passed else 'FAIL'} {dtype!s:15s} tau={temperature}: rel err (logp, entropy, "
-                  f"grad_h, grad_W) = {', '.join(f'{e:.1e}' for e in errs)}  [naive {dtype}: "
-                  f"{', '.join(f'{e:.1e}' for e in base_errs)}]  bitwise-repeatable={same}")
-    return ok
-
-
 def measure(step: Callable[[], None], device: str, reps: int) -> tuple[float, float] | None:
     """(peak extra GB, median ms) of step(), or None on OOM."""
     cuda = device == "cuda"
@@ -124,7 +90,7 @@ def measure(step: Callable[[], None], device: str, reps: int) -> tuple[float, fl
         return None
 
 
-def benchmark(device: str, N: int, D: int, V: int, reps: int) -> bool:
+def benchmark(device: str, N: int, D: int, V: int, reps: int) -> None:
     h64, w64, target_N, g_logp_N, g_ent_N = inputs(N, D, V, device)
     h, w = (t.to(torch.bfloat16).requires_grad_(True) for t in (h64, w64))
     del h64, w64
@@ -138,7 +104,6 @@ def benchmark(device: str, N: int, D: int, V: int, reps: int) -> bool:
     ]
     print(f"\nforward+backward, bf16, N={N} D={D} V={V} ({device}; peak extra memory includes the grads)")
     print(f"{'version':28s} {'peak extra GB':>14s} {'ms':>9s}")
-    ok = True
     for name, fn, ent, kw in versions:
         def step(fn=fn, ent=ent, kw=kw) -> None:
             fwd_bwd(fn, h, w, target_N, g_logp_N, g_ent_N, ent, **kw)
@@ -150,14 +115,9 @@ def benchmark(device: str, N: int, D: int, V: int, reps: int) -> bool:
             torch.cuda.empty_cache()
         if result is None:
             print(f"{name:28s} {'OOM':>14s} {'-':>9s}")
-            ok &= fn is not chunked
             continue
         peak_gb, ms = result
         print(f"{name:28s} {peak_gb:14.2f} {ms:9.1f}")
-        if fn is chunked and not kw and device == "cuda" and peak_gb > MEMORY_TARGET_GB:
-            print(f"FAIL {name}: {peak_gb:.2f} GB extra > {MEMORY_TARGET_GB} GB")
-            ok = False
-    return ok
 
 
 def main() -> None:
@@ -165,17 +125,13 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no GPU needed)")
     args = parser.parse_args()
     if args.cpu_smoke:
-        device, acc_sizes, bench_sizes, reps = "cpu", (64, 32, 1000), (256, 64, 2000), 2
+        device, bench_sizes, reps = "cpu", (256, 64, 2000), 2
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: run with --cpu-smoke for a CPU-only smoke test")
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks mean fp32 GEMMs
-        device, acc_sizes, bench_sizes, reps = "cuda", (512, 1024, 151_936), (32_768, 1024, 151_936), 5
+        device, bench_sizes, reps = "cuda", (32_768, 1024, 151_936), 5
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    ok = check_accuracy(device, *acc_sizes)
-    ok &= benchmark(device, *bench_sizes, reps=reps)
-    print("\nALL PASS" if ok else "\nSOME FAILED")
-    sys.exit(0 if ok else 1)
+    benchmark(device, *bench_sizes, reps=reps)
 
 
 if __name__ == "__main__":
