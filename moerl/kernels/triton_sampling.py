@@ -8,7 +8,7 @@ sum), draws the row's Gumbel noise from the same 32-bit hash as moerl.rollout.sa
 uint32 arithmetic: the same bits), and keeps the running argmax of scaled logit + noise; the lanes are reduced
 once at the end (first index on ties, like torch.argmax). The logits are read once; nothing of size [B, V] is
 written. Temperature 0 rows take the argmax of the logits and the log-prob at temperature 1.
-The torch reference is moerl.rollout.sampling.gumbel_argmax_reference; scripts/gpu/kernels_check.py compares.
+The torch reference is moerl.rollout.sampling.gumbel_argmax_reference; tests/gpu/test_kernels_gpu.py compares.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride_b, temp_ptr, key_ptr, token_ptr, lo
         s = tl.where(empty, 0.0, s * tl.exp(d_old) + tl.exp(d_new))
         m = new_m
         bits = _mix32(key ^ _mix32(offs.to(tl.uint32) * 0x9E3779B1 + 0x632BE5AB))
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1): see sampling.uniform_of
         g = -tl.log(-tl.log(u))
         noisy = tl.where(mask, tl.where(greedy, x, x + g), float("-inf"))
         better = noisy > best  # strictly: a lane keeps its earlier token on a tie

@@ -85,8 +85,14 @@ def gumbel_at(seeds_B: torch.Tensor, positions_B: torch.Tensor, tokens_BK: torch
     """Gumbel(0, 1) noise in float32 of the given token ids [B, K] (int64): a pure function of (seed, position,
     token id), so noise over a candidate set equals the full-vocabulary noise gathered at those ids."""
     bits_BK = _mix32(noise_key(seeds_B, positions_B)[:, None] ^ _mix32(tokens_BK * 0x9E3779B1 + 0x632BE5AB))
-    uniform_BK = ((bits_BK >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(uniform_BK))
+    return -torch.log(-torch.log(uniform_of(bits_BK)))
+
+
+def uniform_of(bits: torch.Tensor) -> torch.Tensor:
+    """A float32 in (0, 1), never 0 or 1, from 32 random bits: the top 23 bits + 0.5 (exact in float32's 24-bit
+    significand). With 24 bits the largest, 2**24 - 0.5, rounded up to 2**24: u = 1 and infinite noise, so ~1 row in
+    120 at a 152k vocabulary sampled a token whatever its probability. The Triton sampler computes the same."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_noise(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab_size: int) -> torch.Tensor:

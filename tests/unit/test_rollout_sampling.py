@@ -330,3 +330,15 @@ def test_stop_on_the_first_token_finishes_in_prefill(model):
     assert c is not None and c.finish_reason == "stop" and c.token_ids == base.token_ids[:1]
     assert c.routed_experts.shape[0] == len(PROMPT)
     assert not engine.has_unfinished() and engine.stats["decode_steps"] == 0
+
+
+def test_gumbel_uniform_never_reaches_one():
+    """The largest draw must stay below 1: with 24 bits + 0.5 it rounded to 1.0 in float32 (noise +inf), and that
+    token was sampled whatever its probability (~0.85% of rows at a 152k vocabulary)."""
+    from moerl.rollout.sampling import gumbel_at, uniform_of
+
+    bits = torch.tensor([0, 1, (1 << 31) - 1, 0xFFFFFEFF, 0xFFFFFFFF], dtype=torch.int64)
+    u = uniform_of(bits)
+    assert bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
+    g = gumbel_at(torch.arange(64), torch.zeros(64, dtype=torch.int64), torch.arange(4096)[None].expand(64, -1))
+    assert torch.isfinite(g).all()
