@@ -2,7 +2,7 @@
 
 Every op here has one torch implementation (any device, any dtype, the reference) and, on CUDA with triton
 installed, a Triton one. `use_triton(x)` decides per call; the torch path is what CPU tests exercise, and
-scripts/gpu/kernels_check.py checks the Triton path against it on a GPU.
+tests/gpu/ (`make test-gpu`) checks the Triton path against it on a GPU.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ intermediate. `inverse_TK[t, k]` is the row of pair (t, k) in the expert-sorted 
 `pair_N[n]` is the pair (t*K + k) of row n.
 
 Each kernel reads its inputs once and writes its output once, accumulating in float32 in a fixed order,
-so results are deterministic. Checked against the torch reference by scripts/gpu/kernels_check.py.
+so results are deterministic. Checked against the torch reference by tests/gpu/test_kernels_gpu.py.
 Imported only where CUDA and triton are present.
 """
 

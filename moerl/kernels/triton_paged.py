@@ -8,7 +8,7 @@ once per row), walks the row's positions in tiles of N_TILE keys up to its own l
 width: the loop bound is read from `seq_len_B` on the device, so a CUDA graph replays it for any lengths), and
 keeps an online softmax in float32 (float64 for float64 inputs). A tile's keys may span several blocks: each key row looks its block up in
 the table, so any block size works. Checked against the torch reference (`moerl.kernels.paged_decode_reference`)
-by scripts/gpu/paged_decode_check.py; runs on CPU tensors under TRITON_INTERPRET=1.
+by tests/gpu/test_paged_decode_gpu.py; runs on CPU tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
         would stack with FSDP2's on the same module) only intercepts saved tensors, so the dataclass
         output needs no flattening and the aux loss inside it keeps its graph. The recompute routes exactly
         as the forward did: the forward (router top-k included) is bitwise reproducible for the same input,
-        CPU and H200 alike (tests/unit/test_packing.py and scripts/gpu/varlen_check.py read it off the
+        CPU and H200 alike (tests/unit/test_packing.py and tests/gpu/test_varlen_gpu.py read it off the
         routers), and a replayed routing is an input. The checkpoint's own check (same count, shapes and
         dtypes of saved tensors) catches a recompute that takes another path."""
         if recompute:

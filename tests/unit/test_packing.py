@@ -1,7 +1,7 @@
 """Packed variable-length sequences in the model's forward, hidden-only output, activation checkpointing.
 
 Float32 on CPU, so packed attention takes the SDPA block-mask path; the flash varlen path's layout code is
-checked here against a stand-in kernel (the real kernel: scripts/gpu/varlen_check.py on a CUDA host).
+checked here against a stand-in kernel (the real kernel: tests/gpu/test_varlen_gpu.py on a CUDA host).
 """
 
 from __future__ import annotations
