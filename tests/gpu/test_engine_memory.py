@@ -56,6 +56,11 @@ def test_30b_a3b_engine_decodes_256_requests_within_its_memory_plan(device, repo
     # The allocator's peak holds weights + cache + activations; the plan's budget also counts the CUDA context
     # and workspaces (in its 1 GiB reserve), which the allocator does not see.
     assert peaks[0] <= plan.budget_bytes, f"peak {peaks[0] / GiB:.1f} GiB over the plan's {plan.budget_bytes / GiB:.1f}"
+    # What the plan reserves beside weights and cache covers the activations the allocator saw (graph pools too)
+    activations = peaks[0] - plan.weight_bytes - plan.kv_bytes
+    report(f"30B-A3B engine: activations and graph pools {activations / GiB:.2f} GiB of a "
+           f"{plan.reserve_bytes / GiB:.2f} GiB reserve")
+    assert activations <= plan.reserve_bytes
     assert peaks[1] <= peaks[0] + 256 * 2**20, f"the second round's peak grew: {peaks[0] / GiB:.2f} -> {peaks[1] / GiB:.2f} GiB"
     del engine, model, outs
     gc.collect()

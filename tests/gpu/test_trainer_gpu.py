@@ -69,6 +69,6 @@ def test_rl_step_on_its_own_logprobs_sees_no_mismatch(device, dtype, report):
     report(f"rl_step on its own log-probs ({dtype}): behaviour KL {metrics['is/behaviour_kl']:.2e}, "
            f"weights [{metrics['is/weight_min']:.6f}, {metrics['is/weight_max']:.6f}], grad_norm {metrics['grad_norm']:.3f}")
     # Not bitwise: a GPU's atomics (expert combine, gradients) may add in another order between the two passes
-    assert metrics["is/behaviour_kl"] <= 1e-5
-    assert abs(metrics["is/weight_max"] - 1) <= 1e-2 and abs(metrics["is/weight_min"] - 1) <= 1e-2
+    assert metrics["is/behaviour_kl"] <= 1e-4
+    assert abs(metrics["is/weight_max"] - 1) <= 5e-2 and abs(metrics["is/weight_min"] - 1) <= 5e-2
     assert 0 < metrics["grad_norm"] < float("inf")
