@@ -56,28 +56,38 @@ def iter_jsonl(path: str | Path, *, strict: bool = True) -> Iterator[dict[str, A
     """The JSON objects of a JSONL file, in order. Blank lines are skipped; so is a last line that does
     not parse (a write cut short by a crash). A bad line elsewhere raises ValueError, or with
     `strict=False` is skipped with a warning."""
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    last = len(lines) - 1
-    while last >= 0 and not lines[last].strip():
-        last -= 1
-    for i, raw in enumerate(lines[: last + 1]):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
-            if i == last:
-                return  # truncated last line
-            if strict:
-                raise ValueError(f"{path}:{i + 1}: not a JSON line ({e})") from None
-            warnings.warn(f"{path}:{i + 1}: skipping a line that is not JSON ({e})", stacklevel=2)
-            continue
-        if not isinstance(obj, dict):
-            if strict:
-                raise ValueError(f"{path}:{i + 1}: a JSON line must be an object, got {type(obj).__name__}")
-            continue
-        yield obj
+    with open(path, "rb") as f:  # line by line, one line held back: the last non-blank one may be cut short
+        held: tuple[int, bytes] | None = None
+        for i, raw in enumerate(f):
+            if not raw.strip():
+                continue
+            if held is not None:
+                obj = _jsonl_object(path, *held, last=False, strict=strict)
+                if obj is not None:
+                    yield obj
+            held = (i, raw)
+        if held is not None:
+            obj = _jsonl_object(path, *held, last=True, strict=strict)
+            if obj is not None:
+                yield obj
+
+
+def _jsonl_object(path: str | Path, i: int, raw: bytes, *, last: bool, strict: bool) -> dict[str, Any] | None:
+    """Line `i` (from 0) of a JSONL file as an object; None for a truncated last line or (not strict) a bad one."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+        if last:
+            return None  # truncated last line
+        if strict:
+            raise ValueError(f"{path}:{i + 1}: not a JSON line ({e})") from None
+        warnings.warn(f"{path}:{i + 1}: skipping a line that is not JSON ({e})", stacklevel=3)
+        return None
+    if not isinstance(obj, dict):
+        if strict:
+            raise ValueError(f"{path}:{i + 1}: a JSON line must be an object, got {type(obj).__name__}")
+        return None
+    return obj
 
 
 def read_jsonl(path: str | Path, *, strict: bool = True, missing_ok: bool = False) -> list[dict[str, Any]]:
@@ -150,6 +160,38 @@ def _metric_value(key: str, value: Any) -> int | float | None:
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+
+
+def _trim_after(path: Path, step: int) -> tuple[int, float | None]:
+    """Drop the rows of steps after `step` from a JSONL file, line by line (a run's trajectories can be many GB:
+    reading them whole took ~11x their size), into a temporary that replaces it atomically (a crash leaves the
+    old file or the new one). Lines that are not JSON objects go too. Returns the rows dropped and the last
+    kept row's `time`."""
+    dropped, bad, last_time = 0, 0, None
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as out:
+        if path.exists():
+            with open(path, "rb") as rows:
+                for raw in rows:
+                    if not raw.strip():
+                        continue
+                    try:
+                        row = json.loads(raw)
+                    except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
+                        row = None
+                    if not isinstance(row, dict):
+                        bad += 1
+                        continue
+                    if isinstance(row.get("step"), int) and row["step"] > step:
+                        dropped += 1
+                        continue
+                    out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                    if isinstance(row.get("time"), (int, float)):
+                        last_time = float(row["time"])
+    os.replace(tmp, path)
+    if bad:
+        warnings.warn(f"{path}: dropped {bad} line(s) that are not JSON objects", stacklevel=3)
+    return dropped, last_time
 
 
 def _repair_tail(path: Path) -> None:
@@ -267,10 +309,9 @@ class RunLog:
         if resume:
             for p in (self.metrics_path, self.trajectories_path):
                 _repair_tail(p)
-            for row in reversed(read_jsonl(self.metrics_path, strict=False, missing_ok=True)):
+            for row in iter_jsonl(self.metrics_path, strict=False) if self.metrics_path.exists() else ():
                 if isinstance(row.get("time"), (int, float)):
-                    time_offset = float(row["time"])
-                    break
+                    time_offset = float(row["time"])  # the last one: read line by line, never the file whole
             self._load_expert_load()
         else:
             self.expert_load_path.unlink(missing_ok=True)
@@ -312,15 +353,10 @@ class RunLog:
             self._metrics.close()
             self._trajectories.close()
             for path in (self.metrics_path, self.trajectories_path):
-                rows = read_jsonl(path, strict=False, missing_ok=True)
-                keep = [r for r in rows if not (isinstance(r.get("step"), int) and r["step"] > step)]
-                dropped += len(rows) - len(keep)
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text("".join(_dumps(r) + "\n" for r in keep), encoding="utf-8")
-                os.replace(tmp, path)  # atomic: a crash leaves the old file or the new one
+                n, last_time = _trim_after(path, step)
+                dropped += n
                 if path == self.metrics_path:
-                    times = [r["time"] for r in keep if isinstance(r.get("time"), (int, float))]
-                    self._t0 = time.monotonic() - (float(times[-1]) if times else 0.0)
+                    self._t0 = time.monotonic() - (last_time or 0.0)
             self._metrics = open(self.metrics_path, "a", buffering=1, encoding="utf-8")
             self._trajectories = open(self.trajectories_path, "a", buffering=1, encoding="utf-8")
         return dropped

@@ -430,3 +430,28 @@ def test_resume_drops_the_rows_of_steps_after_the_checkpoint(tmp_path):
     traj = read_jsonl(tmp_path / "trajectories.jsonl")
     assert [(r["step"], r["sample_index"]) for r in traj] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1),
                                                               (4, 0), (5, 0)]
+
+
+def test_resume_streams_the_logs_it_trims(tmp_path):
+    """Issue 26 item 9: resume read all of trajectories.jsonl into memory (~11x its size) to trim it."""
+    import tracemalloc
+
+    RunLog(tmp_path, tensorboard=False).close()
+    text = "x" * 2000
+    with open(tmp_path / "trajectories.jsonl", "w") as f:  # ~20 MB: 200 rows of ~2.5 KB for each of 40 steps
+        for i in range(8000):
+            f.write(json.dumps({"step": i // 200 + 1, "sample_index": i % 200, "completion": text}) + "\n")
+        f.write('{"step": 41, "completion": "cut sh')  # a crash mid-write
+    size = (tmp_path / "trajectories.jsonl").stat().st_size
+    log = RunLog(tmp_path, tensorboard=False, resume=True)
+    tracemalloc.start()
+    try:
+        dropped = log.truncate_after(20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    log.close()
+    assert dropped == 20 * 200 and peak < size / 20, (peak, size)
+    rows = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert len(rows) == 4000 and rows[-1]["step"] == 20 and rows[-1]["sample_index"] == 199
+    assert (tmp_path / "trajectories.jsonl").read_bytes().endswith(b"\n")
