@@ -4,7 +4,7 @@
     moerl config configs/demo.toml --train.steps=20   # print the resolved config
     moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
     moerl bench dispatch [--help]
-    moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR] [--force]   # the policy as a Hugging Face directory
+    moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR] [--force] [--timeout S]   # the policy as a Hugging Face directory
     moerl launch configs/demo.toml --scheduler local_cwd     # TorchX: local or EKS (docs/eks.md)
 """
 
@@ -136,6 +136,8 @@ def _export(argv: list[str]) -> int:
                         "write (default: those saved with the checkpoint)")
     parser.add_argument("--force", action="store_true", help="write into OUT_DIR even if it is not empty "
                         "(files of the same names are replaced)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S", help="deadline of each storage call in "
+                        "seconds, as a run's checkpoint.storage_timeout_s (default: 60)")
     args = parser.parse_args(argv)
     from pathlib import Path
 
@@ -144,19 +146,15 @@ def _export(argv: list[str]) -> int:
         what = "is not empty" if out_dir.is_dir() else "is a file"
         print(f"error: {args.out_dir} {what}: choose another OUT_DIR, or --force to write into it", file=sys.stderr)
         return 2
-    from moerl.checkpoint import CheckpointError, CheckpointStore, export_policy
+    from moerl.checkpoint import CheckpointError, export_policy
 
-    store = CheckpointStore(args.checkpoint_dir)
-    step = args.step if args.step is not None else store.latest_step()
-    if step is None:
-        print(f"error: {args.checkpoint_dir}: no committed checkpoint to export", file=sys.stderr)
-        return 2
-    try:
-        out = export_policy(args.checkpoint_dir, args.out_dir, step, dtype=args.dtype, source=args.source)
+    try:  # every storage call within --timeout; a line per stage, so a slow store is seen to be working
+        out = export_policy(args.checkpoint_dir, args.out_dir, args.step, dtype=args.dtype, source=args.source,
+                            timeout_s=args.timeout, progress=lambda text: print(f"export: {text}", flush=True))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {store.step_path(step)} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    print(f"exported to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
 
 

@@ -226,6 +226,9 @@ class CheckpointConfig:
     keep: int = 3  # how many most recent checkpoints to keep
     timeout_s: float = 1800.0  # one save (the trainer's upload included) may take this long before it counts as failed
     max_failures: int = 3  # consecutive failed saves that end the run (a failed save is retried at the next interval)
+    # each storage call (a write, a read, a listing; S3 or local) may take this long: an endpoint that never answers
+    # fails the start-up probe, a save or an export within it, rather than freezing the run
+    storage_timeout_s: float = 60.0
 
     def validate(self) -> None:
         require(self.every >= 0, "every", "must be >= 0 (0 = no periodic saves)")
@@ -234,6 +237,7 @@ class CheckpointConfig:
         require(self.keep >= 1, "keep", "must be >= 1")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
         require(self.max_failures >= 1, "max_failures", "must be >= 1")
+        require(self.storage_timeout_s > 0, "storage_timeout_s", "must be > 0")
 
 
 @dataclass

@@ -8,7 +8,8 @@
     task             imports; its options fit its config_class; its data and tokenizer load; prompt 0 builds
                      (and its SFT example when train.sft_steps > 0); the tokenizer's ids fit the model
     --resume         a committed checkpoint that verifies (sizes and checksums), written with this config;
-                     a torn one names the newest intact step
+                     a torn one (a file lost or damaged, or a newer step whose COMMIT was) names the newest intact
+                     step and stops the run before anything is written
 
 `run.prepare` calls these in that order; `run.main` prints a failure as `error: <message>` and exits 2 before
 anything has started. Errors the parts already raise (TaskError, CheckpointError) pass through; the new
@@ -178,10 +179,20 @@ def check_expert_split(cfg: MoerlConfig, arch: MoEModelConfig) -> None:
 def check_resume(store: CheckpointStore, fingerprint: dict[str, Any], *, every: int,
                  step: int | None = None) -> int:
     """The step to resume from: `step`, else the newest committed one; it must verify (sizes, checksums) and
-    have been written with this `fingerprint`. A torn one names the newest older step that verifies."""
+    have been written with this `fingerprint`. A torn one names the newest older step that verifies. Without
+    `step`, a newer step whose COMMIT was lost or damaged is torn too: falling back to an older step unasked
+    would drop the log rows after it and later overwrite the newer step."""
     from moerl.model.config import CheckpointError
 
     committed = store.committed_steps()
+    if step is None:
+        latest = store.latest_step()
+        torn = store.torn_steps(latest)
+        if torn:
+            intact = next((s for s in reversed(committed) if _verifies(store, s)), None)
+            raise PreflightError(f"--resume: checkpoint step {torn[0][0]} is torn ({torn[0][1]}); "
+                                 + (f"the newest intact step is {intact}: resume from it with --resume-step={intact}"
+                                    if intact is not None else "no older committed step is intact"))
     if step is not None and step not in committed:
         raise PreflightError(f"--resume-step {step}: no committed checkpoint of that step under {store.root} "
                              f"(committed: {', '.join(map(str, committed)) or 'none'})")

@@ -177,8 +177,8 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
     new_dirs = [d for d in (run_dir, Path(cfg.checkpoint_dir())) if "://" not in str(d) and not d.exists()]
     try:
         preflight.check_run_dir(run_dir)
-        store = CheckpointStore(cfg.checkpoint_dir())
-        store.probe()  # a run that cannot save finds out now, not at its first save
+        store = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s)
+        store.probe()  # a run that cannot save finds out now, not at its first save (within the deadline)
         if not resume:
             preflight.check_no_run(run_dir, store)
         checked_arch = preflight.check_model(cfg.model.path) if cfg.model.path else None
@@ -292,7 +292,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     from moerl.actors.checkpointer import Checkpointer
     from moerl.actors.pools import RayRolloutPool, RayTrainerGroup, TrainerLost
     from moerl.actors.weight_sync.sync import RayWeightSync
-    from moerl.checkpoint import serving_files
+    from moerl.checkpoint import CheckpointError, serving_files
     from moerl.loop.controller import Controller
     from moerl.loop.dynamic_sampling import DynamicSampling
     from moerl.loop.evaluation import Evaluator
@@ -308,7 +308,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     checkpointer = Checkpointer(cfg.checkpoint_dir(), cfg.checkpoint.keep, arch, _fingerprint(cfg, arch),
                                 dtype=cfg.model.dtype, timeout_s=cfg.checkpoint.timeout_s,
                                 max_failures=cfg.checkpoint.max_failures,
-                                serving_files=serving_files(cfg.model.path, getattr(task.tokenizer, "directory", None)))
+                                serving_files=serving_files(cfg.model.path, getattr(task.tokenizer, "directory", None)),
+                                storage_timeout_s=cfg.checkpoint.storage_timeout_s)
     resuming = prepared.resume_step is not None
     if cfg.run.deterministic:
         cfg.train.mode = "sync"  # deterministic = sync, fixed seeds, batches in task order (docs/checkpoints.md)
@@ -380,7 +381,11 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                                                          lambda text: report.event("dynamic_sampling", text))
                                          if cfg.train.dynamic_sampling else None))
         if restored is not None:
-            controller.load_state_dict(restored[1])
+            try:
+                controller.load_state_dict(restored[1])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:  # plain data, but not a controller's state
+                raise CheckpointError(f"checkpoint step {restored[0]}: controller.pt does not hold a controller state "
+                                      f"this moerl can load ({type(e).__name__}: {e})") from None
             # steps after the checkpoint are trained (and logged) again
             dropped = report.log.truncate_after(restored[0])
             report.stage(f"resumed from checkpoint step {restored[0]} under {cfg.checkpoint_dir()}"
@@ -426,7 +431,7 @@ def main(argv: list[str]) -> int:
         from moerl.checkpoint import CheckpointStore
 
         with contextlib.suppress(Exception):  # an unreadable store: preflight reports it in one line
-            resume = CheckpointStore(cfg.checkpoint_dir()).latest_step() is not None
+            resume = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s).latest_step() is not None
     again = shlex.join(["moerl", "train", args.config, *args.overrides])  # the same command, without --resume
     try:
         prepared = prepare(cfg, resume=resume, resume_step=args.resume_step)
@@ -474,7 +479,7 @@ def _resume_hint(cfg: MoerlConfig, again: str) -> str:
     from moerl.checkpoint import CheckpointStore
 
     try:
-        saved = CheckpointStore(cfg.checkpoint_dir()).latest_step()
+        saved = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s).latest_step()
     except Exception:  # noqa: BLE001 - only a hint
         return ""
     if saved is None:

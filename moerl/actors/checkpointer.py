@@ -1,20 +1,26 @@
 """Checkpoints of a run: the trainer ranks' state (DCP, asynchronous) and the controller's state, committed last.
 
-    save(step):  trainer ranks stage their state and upload in the background (training goes on);
-                 the controller writes its own state (queue with leased and partial tasks, ready groups,
-                 version, data cursor, counters) and the architecture; once every rank's upload finished,
-                 `poll()` writes the COMMIT marker, then `latest`, then prunes to the newest `keep`.
-    restore():   the newest committed step: trainer state into every rank, controller state returned.
+    save(step):  the controller encodes its own state (queue with leased and partial tasks, ready groups,
+                 version, data cursor, counters) and asks the trainer ranks to stage theirs (rank 0 clears the
+                 step directory in its upload thread, then every rank uploads in the background: training
+                 goes on); a job in a daemon thread then waits for the uploads, writes the controller's state,
+                 the architecture and the serving files, checks that the trainer's files hold every byte their
+                 metadata names, writes the COMMIT marker, then `latest`, then prunes to the newest `keep`.
+    poll():      reports a finished job (committed, or failed); never blocks.
+    restore():   a committed step: trainer state into every rank, controller state returned.
 
-A checkpoint whose upload never finished has no COMMIT and is ignored: the previous one stays `latest`.
-`on_event(kind, text)` hears of each commit ("checkpoint") and each failed save ("warning"); without it a
-failed save is printed.
+No storage call runs on the controller's thread (a black-hole S3 endpoint froze the run at a save, and SIGTERM
+could not stop it): each has a deadline (`storage_timeout_s`) and the job's thread is a daemon. A checkpoint whose
+job failed has no COMMIT and is ignored: the previous one stays `latest`. `on_event(kind, text)` hears of each
+commit ("checkpoint") and each failed save ("warning"); without it a failed save is printed.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
+from concurrent.futures import Future
 from typing import Callable
 
 import ray
@@ -22,8 +28,11 @@ import ray
 from moerl.actors.pools import RayTrainerGroup, TrainerLost
 from moerl.checkpoint import (
     CONTROLLER_FILE, SERVING_DIR, TRAINER_DIR, CheckpointStore, decode_controller_state, encode_controller_state,
-    write_arch,
 )
+from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
+from moerl.checkpoint.export import ARCH_FILE, arch_bytes
+from moerl.checkpoint.storage import StepTarget
+from moerl.checkpoint.untrusted import load_error
 from moerl.loop.types import STATE_CLASSES
 from moerl.model.config import CheckpointError, MoEModelConfig
 
@@ -32,37 +41,51 @@ class Checkpointer:
     def __init__(self, root: str, keep: int, arch: MoEModelConfig, fingerprint: dict, use_async: bool = True,
                  dtype: str | None = None, timeout_s: float = 1800.0, max_failures: int = 3,
                  serving_files: dict[str, bytes] | None = None,
-                 on_event: Callable[[str, str], None] | None = None) -> None:
-        self.store, self.keep, self.arch, self.fingerprint = CheckpointStore(root), keep, arch, fingerprint
+                 on_event: Callable[[str, str], None] | None = None,
+                 storage_timeout_s: float = STORAGE_TIMEOUT_S) -> None:
+        self.store = CheckpointStore(root, timeout_s=storage_timeout_s)  # no storage call here: the root may not answer
+        self.keep, self.arch, self.fingerprint = keep, arch, fingerprint
         self.dtype = dtype  # the run's compute dtype, recorded for `moerl export`
         self.serving_files = dict(serving_files or {})  # tokenizer files + generation_config.json, for `moerl export`
         self.use_async = use_async
         self.timeout_s, self.max_failures = timeout_s, max_failures
-        self.pending: tuple[int, list] | None = None  # (step, trainer save refs) awaiting commit
+        self.pending: tuple[int, Future] | None = None  # (step, its job) until poll/wait hears the outcome
         self.failures = 0  # consecutive failed saves; a committed one resets it
         self.failed_total = 0
+        self.committed: int | None = None  # the newest step this run committed or resumed from
         self.on_event = on_event
 
     def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
         """Start saving `step`. A save that fails is counted and training goes on (the next interval tries
         again); `max_failures` in a row raise CheckpointError. A dead trainer rank is not a storage fault."""
-        self.wait()  # one upload at a time: commit the previous one first
+        self.wait()  # one save at a time: the previous one's outcome first (its job is bounded)
         try:
-            self.store.begin(step)
-            trainer.save_state(f"{self.store.step_path(step)}/{TRAINER_DIR}", self.use_async)
-            self.store.write_bytes(step, CONTROLLER_FILE,
-                                   encode_controller_state(controller_state, classes=STATE_CLASSES))
-            write_arch(self.store, step, self.arch, self.dtype)
-            for name, data in self.serving_files.items():
-                self.store.write_bytes(step, f"{SERVING_DIR}/{name}", data)
-            self.pending = (step, trainer.save_done())
+            blobs = {CONTROLLER_FILE: encode_controller_state(controller_state, classes=STATE_CLASSES),
+                     ARCH_FILE: arch_bytes(self.arch, self.dtype),
+                     **{f"{SERVING_DIR}/{name}": data for name, data in self.serving_files.items()}}
+            target = StepTarget(self.store.root, step, self.store.timeout_s)
+            trainer.save_state(f"{self.store.step_path(step)}/{TRAINER_DIR}", self.use_async, target)
+            refs = trainer.save_done()
         except TrainerLost:
             raise
         except Exception as e:  # noqa: BLE001 - storage faults: named, counted, training goes on
             self._failed(step, e)
             return
+        self.pending = (step, _in_background(lambda: self._finish(step, blobs, refs)))
         if not self.use_async:
             self.wait()
+
+    def _finish(self, step: int, blobs: dict[str, bytes], refs: list) -> int:
+        """The job (its own thread): the uploads, then this process's files, the commit and the pruning."""
+        # each rank hashed its files while writing them: the manifest takes those, never a re-read
+        ranks = ray.get(refs, timeout=self.timeout_s) if refs else []
+        for name, data in blobs.items():  # after the uploads: rank 0 cleared the step directory before them
+            self.store.write_bytes(step, name, data)
+        sums = {f"{TRAINER_DIR}/{name}": crc for rank in ranks for name, crc in rank.items()}
+        self.store.commit(step, {"fingerprint": self.fingerprint}, checksums=sums)
+        self.committed = step  # at once: a run that fails before the next poll still names it
+        self.store.prune(self.keep)
+        return step
 
     def _failed(self, step: int, error: BaseException) -> None:
         self.failures += 1
@@ -80,39 +103,41 @@ class Checkpointer:
             print(f"warning: {message}", flush=True)
 
     def poll(self) -> int | None:
-        """Commit the pending checkpoint if its uploads are done; returns the committed step."""
-        if self.pending is None:
+        """The step committed by a job that finished since the last call; None while it runs (never blocks)."""
+        if self.pending is None or not self.pending[1].done():
             return None
-        ready, _ = ray.wait(self.pending[1], num_returns=len(self.pending[1]), timeout=0)
-        return self.wait() if len(ready) == len(self.pending[1]) else None
+        return self.wait()
 
     def wait(self) -> int | None:
+        """Wait for the pending save's job (at most timeout_s: a job past it is a failed save; its daemon thread
+        ends with its storage calls' deadlines) and report it; returns the step committed."""
         if self.pending is None:
             return None
-        step, refs = self.pending
+        step, job = self.pending
         self.pending = None
         try:
-            # each rank hashed its files while writing them: the manifest takes those, never a re-read
-            ranks = ray.get(refs, timeout=self.timeout_s)
-            sums = {f"{TRAINER_DIR}/{name}": crc for rank in ranks for name, crc in rank.items()}
-            self.store.commit(step, {"fingerprint": self.fingerprint}, checksums=sums)
-            self.store.prune(self.keep)
+            job.result(timeout=self.timeout_s)
         except ray.exceptions.RayActorError:
             raise  # a dead trainer rank: the run ends (pools.TrainerLost names it), not a storage fault
-        except Exception as e:  # noqa: BLE001 - an upload that failed or never finished: the step stays uncommitted
+        except Exception as e:  # noqa: BLE001 - an upload or a write that failed: the step stays uncommitted
+            if not job.done():
+                e = TimeoutError(f"the save did not finish within checkpoint.timeout_s={self.timeout_s:g} s")
             self._failed(step, e)
             return None
         self.failures = 0
+        self.committed = step
         if self.on_event is not None:
             self.on_event("checkpoint", f"checkpoint step {step} saved to {self.store.step_path(step)}")
         return step
 
     def latest(self) -> int | None:
-        return self.store.latest_step()
+        """The newest step this run committed or resumed from (no storage call: the store may not answer)."""
+        return self.committed
 
     def restore(self, trainer: RayTrainerGroup, step: int | None = None, verified: bool = False) -> tuple[int, dict]:
         """Load committed `step` (default: the newest) into every trainer rank; returns it and the controller's
-        state. verified: the step was verified already (moerl/preflight.py's check_resume reads it in full)."""
+        state. verified: the step was verified already (moerl/preflight.py's check_resume reads it in full).
+        A checkpoint that is forged or does not fit raises CheckpointError: one line naming the file."""
         step = self.store.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"--resume: no committed checkpoint under {self.store.root!r}")
@@ -123,9 +148,35 @@ class Checkpointer:
         if mismatched:
             raise ValueError(f"--resume: checkpoint step {step} was written with another configuration: "
                              + ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items()))
-        trainer.load_state(f"{self.store.step_path(step)}/{TRAINER_DIR}")
-        state = decode_controller_state(self.store.read_bytes(step, CONTROLLER_FILE), classes=STATE_CLASSES)
+        try:
+            trainer.load_state(f"{self.store.step_path(step)}/{TRAINER_DIR}", self.store.timeout_s)
+        except ray.exceptions.RayTaskError as e:  # the rank's own error in one line, not Ray's multi-line wrapper
+            cause = getattr(e, "cause", None) or e
+            raise CheckpointError(str(cause).splitlines()[0] if isinstance(cause, CheckpointError) else
+                                  f"{self.store.step_path(step)}/{TRAINER_DIR}: cannot be loaded: {load_error(cause)}"
+                                  ) from None
+        where = f"{self.store.step_path(step)}/{CONTROLLER_FILE}"
+        try:
+            state = decode_controller_state(self.store.read_bytes(step, CONTROLLER_FILE), classes=STATE_CLASSES)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a forged or foreign file: named in one line, never a hint to unpickle it
+            raise CheckpointError(f"{where}: not a controller state moerl can load: {load_error(e)}") from None
+        self.committed = step
         return step, state
+
+
+def _in_background(fn: Callable[[], int]) -> Future:
+    """fn() in a daemon thread (a job stuck on storage never holds the process at exit), as a Future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(e)
+    threading.Thread(target=run, name="moerl-checkpoint", daemon=True).start()
+    return future
 
 
 def _free_space(path: str) -> str:

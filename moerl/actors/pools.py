@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from moerl.actors.rollout_worker import RolloutWorker, WorkerSpec
 from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
+from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
 from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.loop.work_queue import WorkQueue
@@ -69,14 +70,16 @@ class RayTrainerGroup:
                           or "died" in line.lower()), type(e).__name__)
             raise TrainerLost(f"trainer rank {', '.join(map(str, dead)) or '?'} died during {what} ({cause})") from None
 
-    def save_state(self, path: str, use_async: bool) -> None:
-        self.get([r.save_state.remote(path, use_async) for r in self.ranks], "a checkpoint save")
+    def save_state(self, path: str, use_async: bool, target=None) -> None:
+        """Every rank stages its state; the upload goes on in the background (`save_done`). target: the step,
+        a moerl.checkpoint.storage.StepTarget, which rank 0 clears before any rank writes."""
+        self.get([r.save_state.remote(path, use_async, target) for r in self.ranks], "a checkpoint save")
 
     def save_done(self) -> list:
         return [r.wait_save.remote() for r in self.ranks]
 
-    def load_state(self, path: str) -> int:
-        return self.get([r.load_state.remote(path) for r in self.ranks], "a checkpoint load")[0]
+    def load_state(self, path: str, timeout_s: float = STORAGE_TIMEOUT_S) -> int:
+        return self.get([r.load_state.remote(path, timeout_s) for r in self.ranks], "a checkpoint load")[0]
 
     def set_lr(self, lr: float) -> None:
         self.get([r.set_lr.remote(lr) for r in self.ranks], "set_lr")

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
 from moerl.train.config import LossConfig, OptimConfig
@@ -125,22 +126,25 @@ class TrainerRank:
         """`version` as object-store buckets if this rank still holds it (a late worker's catch-up)."""
         return self._publisher.export(version) if getattr(self, "_publisher", None) is not None else None
 
-    def save_state(self, path: str, use_async: bool) -> None:
-        """Start saving this rank's share (DCP through fsspec); async returns once the state is staged."""
+    def save_state(self, path: str, use_async: bool, target=None) -> None:
+        """Start saving this rank's share (DCP through fsspec); async returns once the state is staged.
+        target: the step (moerl.checkpoint.storage.StepTarget), cleared first and its storage deadline kept."""
         from moerl.checkpoint.trainer_state import save_trainer_state
 
         self.wait_save()
-        self._pending_save = save_trainer_state(self.trainer, path, use_async=use_async)
+        self._pending_save = save_trainer_state(
+            self.trainer, path, use_async=use_async, before_write=target.begin if target is not None else None,
+            timeout_s=target.timeout_s if target is not None else STORAGE_TIMEOUT_S)
 
     def wait_save(self) -> dict[str, str]:
         """The checksums of the files this rank's last save wrote (none when no save is pending)."""
         pending, self._pending_save = getattr(self, "_pending_save", None), None
         return pending.result() if pending is not None else {}
 
-    def load_state(self, path: str) -> int:
+    def load_state(self, path: str, timeout_s: float = STORAGE_TIMEOUT_S) -> int:
         from moerl.checkpoint.trainer_state import load_trainer_state
 
-        load_trainer_state(self.trainer, path)
+        load_trainer_state(self.trainer, path, timeout_s)
         return self.trainer.steps_done
 
     def shutdown(self) -> None:

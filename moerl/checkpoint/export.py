@@ -9,6 +9,10 @@ Runs in one process with no process group: DCP reads every rank's files, and the
 files and generation_config.json travel with every checkpoint (`hf/` under the step, written by the
 Checkpointer from the run's tokenizer directory and `model.path`), so a checkpoint on S3 exports on a
 machine that has neither; `source` (`moerl export --source DIR`) takes them from a directory instead.
+
+Everything read from the checkpoint is untrusted: a serving file's key must be a plain relative path and is
+written only inside the output directory (a forged `hf//abs/path` or `hf/../../x` is refused, naming it). Each
+storage call has a deadline (`timeout_s`), and `progress` hears what has been read and written so far.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
 from moerl.checkpoint.storage import CheckpointStore
 from moerl.checkpoint.trainer_state import EP_KEY, load_into, read_metadata
+from moerl.checkpoint.untrusted import inside
 from moerl.model import CheckpointError, MoEModelConfig, build_model, save_pretrained
 
 ARCH_FILE = "arch.json"
@@ -37,8 +44,12 @@ def write_arch(store: CheckpointStore, step: int, model_config: MoEModelConfig, 
     """Save the architecture with the step, so export (and resume checks) need nothing but the checkpoint.
     dtype: the run's compute dtype (model.dtype), what an export writes by default; the checkpoint itself holds
     the master weights (float32)."""
-    arch = model_config.to_hf_dict() | ({"dtype": dtype} if dtype else {})
-    store.write_bytes(step, ARCH_FILE, json.dumps(arch, indent=1).encode())
+    store.write_bytes(step, ARCH_FILE, arch_bytes(model_config, dtype))
+
+
+def arch_bytes(model_config: MoEModelConfig, dtype: str | None = None) -> bytes:
+    """The contents of arch.json (see write_arch)."""
+    return json.dumps(model_config.to_hf_dict() | ({"dtype": dtype} if dtype else {}), indent=1).encode()
 
 
 def serving_files(model_path: str = "", tokenizer_dir: str | None = None) -> dict[str, bytes]:
@@ -71,13 +82,13 @@ def read_arch(store: CheckpointStore, step: int) -> MoEModelConfig:
         raise CheckpointError(f"{store.step_path(step)}/{ARCH_FILE}: not valid JSON ({e})") from None
 
 
-def gather_model_state(trainer_path: str) -> dict[str, torch.Tensor]:
+def gather_model_state(trainer_path: str, timeout_s: float = STORAGE_TIMEOUT_S) -> dict[str, torch.Tensor]:
     """The full model state dict (plain names) from a trainer checkpoint, expert shards stacked back."""
-    meta = read_metadata(trainer_path)
+    meta = read_metadata(trainer_path, timeout_s)
     wanted = {k: m for k, m in meta.items() if k.startswith("model/")}
     if not wanted:
         raise CheckpointError(f"{trainer_path}: no model tensors in this checkpoint")
-    loaded = load_into(trainer_path, wanted)
+    loaded = load_into(trainer_path, wanted, timeout_s)
     out: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = {}
     sizes: dict[str, int] = {}
@@ -98,23 +109,36 @@ def gather_model_state(trainer_path: str) -> dict[str, torch.Tensor]:
 
 
 def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, dtype: str | None = None,
-                  source: str | None = None) -> Path:
+                  source: str | None = None, timeout_s: float = STORAGE_TIMEOUT_S,
+                  progress: Callable[[str], None] = lambda text: None) -> Path:
     """Write the policy of `step` (default: the latest committed) under `out_dir`; returns out_dir.
     dtype: of the written tensors, float32 or bfloat16 (default: the run's model.dtype, else the checkpoint's).
     source: a model or tokenizer directory whose tokenizer files and generation_config.json to write (default:
-    those saved with the checkpoint)."""
+    those saved with the checkpoint). timeout_s: the deadline of each storage call. progress: hears a line per
+    stage (files and bytes read, what was written). A newest step that is torn is refused, naming the intact
+    one to pass as `step`, rather than exporting an older policy unasked."""
     if source is not None and not Path(source).is_dir():
         raise CheckpointError(f"export source {source!r} is not a directory")
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"export dtype must be one of {list(EXPORT_DTYPES)}, got {dtype!r}")
-    store = CheckpointStore(checkpoint_root)
+    store = CheckpointStore(checkpoint_root, timeout_s)
     if step is None:
         step = store.latest_step()
+        torn = store.torn_steps(step)
+        if torn:
+            raise CheckpointError(f"{checkpoint_root}: checkpoint step {torn[0][0]} is torn ({torn[0][1]}); "
+                                  + (f"the newest intact step is {step}: export it with --step {step}"
+                                     if step is not None else "no older step is committed"))
         if step is None:
             raise CheckpointError(f"{checkpoint_root}: no committed checkpoint to export")
-    manifest = store.verify(step)  # a partial or corrupted step names its files here rather than exporting garbage
+    progress(f"verifying {store.step_path(step)}")
+    manifest = store.verify(step, progress)  # a partial or corrupted step names its files here, not exporting garbage
+    files = manifest["files"]
+    progress(f"verified {len(files)} files, {_mib(sum(files.values()))} (sizes and checksums)")
     config = read_arch(store, step)
-    state = gather_model_state(f"{store.step_path(step)}/{TRAINER_DIR}")
+    shards = {k: n for k, n in files.items() if k.startswith(f"{TRAINER_DIR}/")}
+    progress(f"reading the policy's tensors from {len(shards)} trainer files ({_mib(sum(shards.values()))} in all)")
+    state = gather_model_state(f"{store.step_path(step)}/{TRAINER_DIR}", timeout_s)
     dtype = dtype or read_arch_dtype(store, step)
     torch_dtype = getattr(torch, dtype) if dtype else next(iter(state.values())).dtype
     model = build_model(config, dtype=torch_dtype, init=False)
@@ -129,15 +153,28 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, d
         log.warning("the policy routes with an aux-loss-free expert bias, which the Hugging Face format has no "
                     "place for: the exported model routes without it")
     model.tie_weights()
-    save_pretrained(model, out_dir)
+    out = Path(out_dir)
     if source is not None:
         extra = serving_files(source, source)
     else:
         prefix = SERVING_DIR + "/"
-        extra = {n[len(prefix):]: store.read_bytes(step, n) for n in sorted(manifest["files"]) if n.startswith(prefix)}
+        where = store.step_path(step)  # every key is checked (again) before anything is written
+        targets = {n[len(prefix):]: inside(out, n[len(prefix):], where) for n in sorted(files) if n.startswith(prefix)}
+        extra = {name: store.read_bytes(step, f"{prefix}{name}") for name in targets}
+    save_pretrained(model, out_dir)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    progress(f"wrote {out_dir}: config.json and {_mib(weights)} of safetensors")
     for name, data in extra.items():
-        (Path(out_dir) / name).write_bytes(data)
+        path = inside(out, name, str(out))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    if extra:
+        progress(f"copied {len(extra)} serving files, {_mib(sum(map(len, extra.values())))}: {', '.join(extra)}")
     if not any(n in extra for n in TOKENIZER_FILES):
         log.warning("%s: no tokenizer files %s (the run used no tokenizer directory): AutoTokenizer cannot load it; "
                     "`moerl export --source MODEL_DIR` adds them", out_dir, "given" if source else "in the checkpoint")
     return Path(out_dir)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"

@@ -20,24 +20,21 @@ changing anything, so an incompatible resume fails with a CheckpointError naming
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import os
-import pickle
 import re
 import warnings
 import weakref
 from concurrent.futures import Future
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from moerl.checkpoint.checksum import HashingStream
+from moerl.checkpoint.dcp_files import _MetadataUnpickler, cause_of, load_into, read_metadata, writer  # noqa: F401
+from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
 from moerl.model.config import CheckpointError
 from moerl.model.moe import SparseMoEBlock
 from moerl.model.transformer import MoECausalLM
@@ -48,7 +45,6 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 EP_KEY = re.compile(r"^(.+)@ep(\d+)of(\d+)$")
-_READ_BLOCK = 128 << 20
 _JSON_KEYS = ("json/optim_groups", "json/scheduler", "json/trainer")
 # Per trainer: the gloo group DCP's background upload thread uses for its collectives (never the training
 # group: two threads issuing collectives on one group interleave differently across ranks and hang), and
@@ -64,15 +60,6 @@ def like(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         full = full.to(device=target.device, dtype=target.dtype)
         return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
     return full
-
-
-def _fsspec():
-    try:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-    except ImportError as e:  # a private module (torch 2.11-2.14): say what is missing, not a bare ImportError
-        raise ImportError(f"moerl checkpoints need torch.distributed.checkpoint._fsspec_filesystem (torch "
-                          f"{torch.__version__} lacks it or fsspec is not installed): {e}") from e
-    return FsspecReader, FsspecWriter
 
 
 # ---------------------------------------------------------------------------------------- keys
@@ -190,159 +177,52 @@ def _checkpoint_group(trainer) -> dist.ProcessGroup:
 WRITER_THREADS = 4
 
 
-class _HashingFS:
-    """DCP's filesystem wrapper, hashing every file it writes as the bytes go out (DCP opens, writes and
-    renames its files itself, so this is where the bytes can be seen without reading them back). `sums`:
-    path relative to the checkpoint -> checksum; a rename (DCP writes .metadata.tmp, then renames it) moves
-    the entry. Everything else passes through."""
-
-    def __init__(self, inner: Any, root: str, sums: dict[str, str]) -> None:
-        self._inner, self._root, self.sums = inner, root.rstrip("/") + "/", sums
-
-    def _rel(self, path: Any) -> str:
-        p = os.fspath(path)
-        return p[len(self._root):] if p.startswith(self._root) else os.path.basename(p)
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with self._inner.create_stream(path, mode) as raw:
-            if "r" in mode:
-                yield raw
-                return
-            stream = HashingStream(raw)
-            yield stream
-        self.sums[self._rel(path)] = stream.hexdigest()  # only once the file closed without error
-
-    def rename(self, path: Any, new_path: Any) -> None:
-        self._inner.rename(path, new_path)
-        if (s := self.sums.pop(self._rel(path), None)) is not None:
-            self.sums[self._rel(new_path)] = s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def save_trainer_state(trainer, path: str, *, use_async: bool,
-                       thread_count: int = WRITER_THREADS) -> Future[dict[str, str]]:
+def save_trainer_state(trainer, path: str, *, use_async: bool, thread_count: int = WRITER_THREADS,
+                       before_write: Callable[[], None] | None = None,
+                       timeout_s: float = STORAGE_TIMEOUT_S) -> Future[dict[str, str]]:
     """Write this rank's state under `path` (local dir or s3://...); all trainer ranks call it together.
 
     Returns a Future of the checksums of the files this rank wrote (relative to `path`), hashed while they
     were written: pass them (every rank's, under the step's trainer directory) to `CheckpointStore.commit`.
     use_async=True returns once the state is copied (staged) to CPU memory; the upload runs in a thread and
     the Future completes when every file and the DCP metadata are written. Wait on it before committing the
-    step. use_async=False returns it completed. A save first waits for the previous upload of this trainer."""
-    _, FsspecWriter = _fsspec()
+    step. use_async=False returns it completed. A save first waits for the previous upload of this trainer.
+    A write that failed in any of DCP's writer threads fails the save (the Future's exception names the file).
+
+    before_write: run once, by the coordinating rank, before any rank writes (the Checkpointer clears the step
+    directory this way: `CheckpointStore.begin`). timeout_s: the deadline of each storage call."""
     previous = _IN_FLIGHT.pop(trainer, None)
     if previous is not None:
         previous.result()
-    writer = FsspecWriter(path, thread_count=thread_count, overwrite=True)  # begin() cleared the step anyway
-    writer.fs = _HashingFS(writer.fs, os.fspath(writer.path), {})
+    w = writer(path, thread_count, before_write, timeout_s)
     kwargs: dict[str, Any] = {"no_dist": True} if trainer.group is None else {"process_group": _checkpoint_group(trainer)}
     sd = trainer_state_dict(trainer)
     done: Future[dict[str, str]] = Future()
     if not use_async:
-        dcp.save(sd, storage_writer=writer, **kwargs)
-        done.set_result(dict(writer.fs.sums))
+        try:
+            dcp.save(sd, storage_writer=w, **kwargs)
+        except BaseException as e:  # DCP's CheckpointException (a BaseException) holds every rank's traceback
+            raise _save_error(path, e) from None
+        done.set_result(dict(w.fs.sums))
         return done
 
     def finished(f: Future) -> None:
         if f.exception() is not None:
-            done.set_exception(f.exception())
+            done.set_exception(_save_error(path, f.exception()))
         else:
-            done.set_result(dict(writer.fs.sums))
-    dcp.async_save(sd, storage_writer=writer, **kwargs).add_done_callback(finished)
+            done.set_result(dict(w.fs.sums))
+    dcp.async_save(sd, storage_writer=w, **kwargs).add_done_callback(finished)
     _IN_FLIGHT[trainer] = done
     return done
 
 
-# ---------------------------------------------------------------------------------------- load
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP stores its .metadata with plain pickle. Accept only the data classes of DCP's metadata module (and
-    its per-file `_StorageInfo`), torch.Size, dtypes, layouts and memory formats, so a forged .metadata in the
-    bucket cannot run code when a run resumes. (A name imported into a DCP module, e.g. a writer class or
-    `os`, is not enough: the class must be defined in the metadata module itself.)"""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "." not in name:  # a dotted name would let pickle walk attributes to anything
-            if (module, name) in (("torch.serialization", "_get_layout"),  # how torch pickles torch.strided
-                                  ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                                  ("torch", "Size"), ("collections", "OrderedDict")):
-                return super().find_class(module, name)
-            if module in ("torch", "torch.distributed.checkpoint.metadata"):
-                obj = super().find_class(module, name)
-                if isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)) or (
-                        isinstance(obj, type) and obj.__module__ == "torch.distributed.checkpoint.metadata"):
-                    return obj
-        raise pickle.UnpicklingError(f"checkpoint .metadata refers to {module}.{name}, which is not allowed")
-
-
-def _validate_metadata(metadata: Any, where: str) -> None:
-    """Only tensor entries, at paths inside the checkpoint. DCP reads a "bytes" entry with
-    `torch.load(weights_only=False)`, a pickle loader: a forged entry of that kind ran its payload on resume.
-    Types are checked exactly (pickle can give any allowed class any attribute, so duck typing proves nothing)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
-
-    if type(metadata) is not Metadata:
-        raise CheckpointError(f"{where}: not a checkpoint's metadata ({type(metadata).__name__})")
-    entries = metadata.state_dict_metadata
-    if not isinstance(entries, dict):
-        raise CheckpointError(f"{where}: no table of entries")
-    for key, entry in entries.items():
-        if type(entry) is not TensorStorageMetadata:
-            raise CheckpointError(f"{where}: entry {key!r} is a {type(entry).__name__}, not a tensor (moerl "
-                                  "checkpoints hold tensors only; anything else could reach a pickle loader)")
-        size = entry.size
-        if (type(entry.properties) is not TensorProperties or not isinstance(entry.properties.dtype, torch.dtype)
-                or not isinstance(size, (tuple, torch.Size)) or not all(type(n) is int and n >= 0 for n in size)):
-            raise CheckpointError(f"{where}: entry {key!r} has no valid dtype and shape")
-    for index, info in (metadata.storage_data or {}).items():
-        rel = getattr(info, "relative_path", None)
-        if (type(info) is not _StorageInfo or not isinstance(rel, str) or not rel or rel.startswith(("/", "~"))
-                or "\\" in rel or ":" in rel or any(part in ("", ".", "..") for part in rel.split("/"))):
-            raise CheckpointError(f"{where}: storage path {rel!r} of {getattr(index, 'fqn', index)!r} is not a "
-                                  "plain path inside the checkpoint")
-        if (type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0
-                or info.transform_descriptors):
-            raise CheckpointError(f"{where}: storage of {getattr(index, 'fqn', index)!r} has an invalid offset, "
-                                  "length or transform")
-
-
-def _reader(path: str):
-    FsspecReader, _ = _fsspec()
-
-    class SafeReader(FsspecReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            _validate_metadata(metadata, f"{path}/.metadata")
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-        def read_data(self, plan, planner):
-            # DCP reads items in plan order; s3fs' read-ahead cache then refetches a block per backwards seek.
-            # In file-offset order every byte is fetched once, in a few large ranged GETs.
-            info = self.storage_data
-            items = sorted(plan.items, key=lambda r: (info[r.storage_index].relative_path, info[r.storage_index].offset))
-            return super().read_data(dataclasses.replace(plan, items=items), planner)
-
-    # s3fs reads ahead 50 MiB past each miss; every ranged GET has a fixed cost (on moto, a copy of the whole
-    # object), so fewer, larger ones: a rank's file of a few hundred MB comes in two or three GETs.
-    return SafeReader(path, **({"default_block_size": _READ_BLOCK} if path.startswith("s3://") else {}))
-
-
-def read_metadata(path: str) -> dict[str, Any]:
-    """Key -> DCP storage metadata (`.size`, `.properties.dtype` for tensors) of the checkpoint at `path`."""
-    try:
-        return _reader(path).read_metadata().state_dict_metadata
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no trainer checkpoint (.metadata missing)") from None
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}/.metadata: {e}") from None
+def _save_error(path: str, e: BaseException) -> BaseException:
+    """A failed save as one line naming the checkpoint and the cause (an OSError stays one: ENOSPC, EIO)."""
+    cause = cause_of(e)
+    if isinstance(cause, (KeyboardInterrupt, SystemExit)):
+        return cause
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return OSError(f"{path}: {type(cause).__name__}: {lines[0] if lines else repr(cause)}")
 
 
 def ep_size_of(meta: dict[str, Any]) -> int:
@@ -350,13 +230,6 @@ def ep_size_of(meta: dict[str, Any]) -> int:
     if len(sizes) > 1:
         raise CheckpointError(f"checkpoint mixes expert-parallel sizes {sorted(sizes)}")
     return sizes.pop() if sizes else 1
-
-
-def load_into(path: str, wanted: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Read the tensors named in `wanted` (a subset of `read_metadata(path)`) into fresh CPU tensors."""
-    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in wanted.items()}
-    dcp.load(sd, storage_reader=_reader(path), no_dist=True)  # every rank reads its own keys: no collectives
-    return sd
 
 
 def _check(trainer, meta: dict[str, Any], path: str) -> dict[str, Any]:
@@ -397,10 +270,10 @@ def _check(trainer, meta: dict[str, Any], path: str) -> dict[str, Any]:
     return wanted
 
 
-def load_trainer_state(trainer, path: str) -> None:
+def load_trainer_state(trainer, path: str, timeout_s: float = STORAGE_TIMEOUT_S) -> None:
     """Load the state saved by `save_trainer_state` at `path` into the trainer (every rank calls it).
 
     Raises CheckpointError before touching the trainer when the checkpoint does not fit it."""
-    meta = read_metadata(path)
+    meta = read_metadata(path, timeout_s)
     wanted = _check(trainer, meta, path)
-    load_trainer_state_dict(trainer, load_into(path, wanted))
+    load_trainer_state_dict(trainer, load_into(path, wanted, timeout_s))

@@ -1,9 +1,14 @@
 """Storage faults: a checkpoint root that cannot be written is found before the run starts (named, with its
-cause); a save that fails is counted and training goes on until `checkpoint.max_failures` in a row."""
+cause); a save that fails is counted and training goes on until `checkpoint.max_failures` in a row; a save whose
+writers failed is never committed; a torn newest step or a forged file stops a resume with one line naming it
+(issue 26 items 2, 8 and 10)."""
 
 from __future__ import annotations
 
 import errno
+import json
+import os
+import threading
 
 import pytest
 
@@ -40,7 +45,7 @@ def test_train_refuses_an_unwritable_checkpoint_dir_before_ray_starts(tmp_path):
 class _FullDisk:
     """A trainer group whose saves fail like a full disk."""
 
-    def save_state(self, path, use_async):
+    def save_state(self, path, use_async, target=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -55,3 +60,236 @@ def test_failed_saves_keep_training_until_max_failures(tmp_path, capsys):
     with pytest.raises(CheckpointError, match=r"3 saves in a row failed \(checkpoint.max_failures\)"):
         ckpt.save(6, _FullDisk(), {"step": 6})
     assert ckpt.store.committed_steps() == []
+
+
+# ------------------------------------------------------------------------------------------ a save that fails
+def _writer_threads_fail(monkeypatch, after: int = 64) -> list[str]:
+    """ENOSPC inside DCP's extra writer threads only (whose errors DCP drops), after `after` bytes of a file."""
+    from fsspec.implementations.local import LocalFileOpener
+
+    real, failed = LocalFileOpener.write, []
+
+    def write(self, data):
+        if "_write_files_from_queue" in threading.current_thread().name and self.path.endswith(".distcp"):
+            real(self, memoryview(data)[:after])
+            failed.append(self.path)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+    monkeypatch.setattr(LocalFileOpener, "write", write)
+    return failed
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_disk_that_fills_mid_save_commits_nothing_and_latest_stays(tmp_path, monkeypatch, capsys, use_async):
+    """Issue 26 item 2: step 20 was committed with 2 of its 4 shard files (DCP's writer threads drop their
+    errors); resume and export then died on a KeyError."""
+    from moerl.actors import checkpointer
+    from tests.unit.test_checkpoint_trainer import _InProcessGroup, trained
+
+    monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
+    tr = trained(steps=1, bias_rate=0.0)
+    ckpt = checkpointer.Checkpointer(str(tmp_path / "ckpts"), keep=1, arch=tr.model.config, fingerprint={},
+                                     use_async=use_async)
+    ckpt.save(10, _InProcessGroup(tr), {"step": 10})
+    ckpt.wait()
+    assert ckpt.latest() == 10
+    failed = _writer_threads_fail(monkeypatch)
+    ckpt.save(20, _InProcessGroup(tr), {"step": 20})
+    ckpt.wait()
+    assert failed, "no writer thread wrote a shard"
+    out = capsys.readouterr().out
+    assert "checkpoint step 20" in out and "No space left on device" in out and "training goes on" in out
+    assert ckpt.failures == 1 and ckpt.latest() == 10
+    assert ckpt.store.committed_steps() == [10] and ckpt.store.latest_step() == 10
+    assert not (tmp_path / "ckpts" / "step-00000020" / "COMMIT").exists()
+    ckpt.store.verify(10)
+
+
+def _hole(tmp_path, commit_it: bool):
+    """Step 1 whole and step 2 whose trainer files lose one shard and have another cut short after the save."""
+    from moerl.checkpoint import save_trainer_state, write_arch
+    from tests.unit.test_checkpoint_trainer import reseal, trained
+
+    store = CheckpointStore(str(tmp_path / "ckpts"))
+    tr = trained(steps=1, bias_rate=0.0)
+    for step in (1, 2):
+        store.begin(step)
+        sums = save_trainer_state(tr, f"{store.step_path(step)}/trainer", use_async=False).result()
+        write_arch(store, step, tr.model.config)
+        if step == 1 or commit_it:
+            store.commit(step, checksums={f"trainer/{k}": v for k, v in sums.items()})
+    trainer = tmp_path / "ckpts" / "step-00000002" / "trainer"
+    (trainer / "__0_1.distcp").unlink()
+    cut = trainer / "__0_2.distcp"
+    cut.write_bytes(cut.read_bytes()[:100])
+    if commit_it:
+        reseal(store, 2)  # as an older moerl committed it: sizes of what was there
+    return store
+
+
+def test_commit_refuses_trainer_files_that_lack_bytes_their_metadata_names(tmp_path):
+    store = _hole(tmp_path, commit_it=False)
+    with pytest.raises(CheckpointError) as e:
+        store.commit(2)
+    assert "missing __0_1.distcp" in str(e.value) and "__0_2.distcp has 100 bytes, its entries need" in str(e.value)
+    assert store.committed_steps() == [1] and store.latest_step() == 1
+
+
+def test_a_step_committed_with_a_hole_is_torn_and_never_outlives_the_intact_one(tmp_path):
+    """A step an older moerl committed with missing shards: resume names the intact step, pruning keeps it."""
+    from moerl import preflight
+    from moerl.preflight import PreflightError
+
+    store = _hole(tmp_path, commit_it=True)
+    assert store.committed_steps() == [1, 2] and store.latest_step() == 2
+    with pytest.raises(PreflightError) as e:
+        preflight.check_resume(store, {}, every=1)
+    assert str(e.value).startswith("--resume: checkpoint step 2 is torn (") and "missing __0_1.distcp" in str(e.value)
+    assert str(e.value).endswith("the newest intact step is 1: resume from it with --resume-step=1")
+    assert store.prune(keep=1) == [] and store.committed_steps() == [1, 2]  # step 1 is the newest loadable
+
+
+def test_commit_and_latest_are_fsynced_before_they_count(tmp_path, monkeypatch):
+    """A COMMIT renamed into place without fsync could be lost in a power cut after `latest` named its step."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    store = CheckpointStore(str(tmp_path / "ckpts"))
+    store.write_bytes(3, "a.bin", b"a")
+    synced.clear()
+    store.commit(3)
+    step, root = str(tmp_path / "ckpts" / "step-00000003"), str(tmp_path / "ckpts")
+    at = 0
+    for path in (f"{step}/COMMIT.tmp", step, f"{root}/latest.tmp", root):  # file, then its directory, in order
+        at = synced.index(path, at) + 1
+
+
+# ------------------------------------------------------------------------------------------ a torn newest step
+@pytest.mark.parametrize("damage", [b"", b'{"step": 3, "fi', None])
+def test_resume_refuses_a_torn_newest_step_and_names_the_intact_one(tmp_path, damage):
+    """Issue 26 item 8: a damaged COMMIT made resume fall back silently to step 2 (and later overwrite step 3)."""
+    from moerl import preflight
+    from moerl.preflight import PreflightError
+
+    store = CheckpointStore(str(tmp_path / "ck"))
+    for step in (1, 2, 3):
+        store.write_bytes(step, "controller.pt", b"state %d" % step)
+        store.commit(step, {"fingerprint": {}})
+    commit = tmp_path / "ck" / "step-00000003" / "COMMIT"
+    if damage is None:
+        commit.unlink()  # lost: `latest` still names step 3
+    else:
+        commit.write_bytes(damage)
+    with pytest.raises(PreflightError) as e:
+        preflight.check_resume(store, {}, every=1)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("--resume: checkpoint step 3 is torn (")
+    assert ("`latest` names it but it has no COMMIT" if damage is None else "COMMIT: not valid JSON") in text
+    assert text.endswith("the newest intact step is 2: resume from it with --resume-step=2")
+    assert preflight.check_resume(store, {}, every=1, step=2) == 2
+    with pytest.raises(CheckpointError, match=r"step 3 is torn .*--step 2"):
+        from moerl.checkpoint import export_policy
+
+        export_policy(store.root, str(tmp_path / "hf"))
+    store.write_bytes(4, "controller.pt", b"half")  # an upload cut short after step 3: not torn, not a reason to refuse
+    assert [s for s, _ in store.torn_steps(2)] == [3]
+
+
+def test_moerl_train_resume_of_a_torn_newest_step_overwrites_nothing(tmp_path, capsys):
+    from moerl.run import main
+
+    run_dir, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    store = CheckpointStore(str(ck))
+    for step in (1, 2):
+        store.write_bytes(step, "controller.pt", b"state %d" % step)
+        store.commit(step, {"fingerprint": {}})
+    (ck / "step-00000002" / "COMMIT").write_bytes(b"")
+    rows = "".join(json.dumps({"step": s, "time": float(s)}) + "\n" for s in range(1, 4))
+    (run_dir / "metrics.jsonl").write_text(rows)
+    before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    assert main(["configs/demo.toml", f"--run.dir={run_dir}", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint step 2 is torn" in err[0] and "--resume-step=1" in err[0], err
+    assert (run_dir / "metrics.jsonl").read_text() == rows
+    assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == before
+
+
+# ------------------------------------------------------------------------------------------ forged files on resume
+def _evil_torch_file(size: int = 0) -> bytes:
+    """A torch.save zip whose pickle calls os.system: refused by weights_only=True, with torch's advice to set
+    weights_only=False, which must never reach the user. size: padded to exactly that many bytes (zip comment)."""
+    import io
+    import pickle
+    import zipfile
+
+    import torch
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+    buf = io.BytesIO()
+    torch.save({"a": 1}, buf)
+
+    def build(comment: bytes) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z, zipfile.ZipFile(out, "w") as w:
+            for name in z.namelist():
+                w.writestr(name, pickle.dumps(Evil()) if name.endswith("data.pkl") else z.read(name))
+            w.comment = comment
+        return out.getvalue()
+    data = build(b"")
+    return build(b"x" * (size - len(data))) if size else data
+
+
+def _forge_a_tensor(trainer_dir) -> str:
+    """Overwrite one tensor's stored bytes (same offset, same length) with the payload; its file's name."""
+    from moerl.checkpoint.trainer_state import _MetadataUnpickler
+
+    with open(trainer_dir / ".metadata", "rb") as f:
+        meta = _MetadataUnpickler(f).load()
+    size = len(_evil_torch_file())
+    info = min((i for i in meta.storage_data.values() if 0 <= i.length - size <= 60000), key=lambda i: i.length)
+    path = trainer_dir / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset:info.offset + info.length] = _evil_torch_file(info.length)
+    path.write_bytes(bytes(data))
+    return info.relative_path
+
+
+@pytest.mark.parametrize("victim", ["controller.pt", "trainer"])
+def test_a_forged_file_on_resume_is_one_line_naming_it(tmp_path, victim):
+    from tests.unit.test_checkpoint_trainer import _committed, _LocalTrainer, make_trainer, reseal
+
+    _, ckpt, _ = _committed(tmp_path)
+    step = tmp_path / "ckpts" / "step-00000001"
+    if victim == "trainer":
+        victim = _forge_a_tensor(step / "trainer")
+    else:
+        (step / victim).write_bytes(_evil_torch_file())
+    reseal(ckpt.store, 1)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore(_LocalTrainer(make_trainer(bias_rate=0.0)))
+    text = str(e.value)
+    assert "\n" not in text and victim in text and "weights_only" not in text, text
+    assert "not plain tensor data" in text and "refused" in text, text
+
+
+def test_a_trainer_ranks_checkpoint_error_comes_back_as_its_own_line(tmp_path):
+    import ray
+
+    from tests.unit.test_checkpoint_trainer import _committed
+
+    _, ckpt, _ = _committed(tmp_path)
+
+    class Rank:
+        def load_state(self, path, timeout_s=60.0):
+            cause = CheckpointError(f"{path}/.metadata: entry 'x' is a BytesStorageMetadata, not a tensor")
+            raise ray.exceptions.RayTaskError("TrainerRank.load_state", "Traceback (most recent call last):\n  ...",
+                                              cause)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore(Rank())
+    assert str(e.value).endswith(".metadata: entry 'x' is a BytesStorageMetadata, not a tensor")

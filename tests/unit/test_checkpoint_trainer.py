@@ -203,8 +203,9 @@ class _InProcessGroup:
     def __init__(self, trainer: PolicyTrainer) -> None:
         self.trainer, self.futures = trainer, []
 
-    def save_state(self, path: str, use_async: bool) -> None:
-        self.futures = [save_trainer_state(self.trainer, path, use_async=False)]
+    def save_state(self, path: str, use_async: bool, target=None) -> None:
+        self.futures = [save_trainer_state(self.trainer, path, use_async=use_async,
+                                           before_write=target.begin if target is not None else None)]
 
     def save_done(self) -> list:
         return self.futures
@@ -287,6 +288,22 @@ def _forge(ck, key: str, marker, *, bytes_entry: bool = True, path: str = "evil.
     (ck / ".metadata").write_bytes(pickle.dumps(meta))
 
 
+def reseal(store: CheckpointStore, step: int) -> None:
+    """What a forger does after editing a committed local step: rewrite its COMMIT to match the files."""
+    base = store.step_path(step)
+    manifest = json.loads(open(os.path.join(base, "COMMIT")).read())
+    files = {}
+    for directory, _, names in os.walk(base):
+        for n in names:
+            path = os.path.join(directory, n)
+            if n != "COMMIT":
+                files[os.path.relpath(path, base)] = open(path, "rb").read()
+    manifest["files"] = {k: len(v) for k, v in files.items()}
+    manifest["checksums"] = {k: f"crc32:{zlib.crc32(v):08x}" for k, v in files.items()}
+    with open(os.path.join(base, "COMMIT"), "w") as f:
+        f.write(json.dumps(manifest))
+
+
 @pytest.mark.parametrize("key", ["json/trainer", "model/model.embed_tokens.weight"])
 def test_a_forged_bytes_entry_never_reaches_a_pickle_loader(tmp_path, key):
     """DCP reads "bytes" entries with torch.load(weights_only=False): a forged one ran its payload on resume and
@@ -295,10 +312,11 @@ def test_a_forged_bytes_entry_never_reaches_a_pickle_loader(tmp_path, key):
     store = CheckpointStore(str(tmp_path / "ckpts"))
     save_trainer_state(tr, f"{store.step_path(1)}/trainer", use_async=False)
     write_arch(store, 1, tr.model.config)
+    store.commit(1)
     ck = tmp_path / "ckpts" / "step-00000001" / "trainer"
     marker = tmp_path / "pwned"
     _forge(ck, key, marker)
-    store.commit(1)  # the forger rewrites the manifest too (it records sizes only)
+    reseal(store, 1)  # the forger rewrites the manifest too (sizes and CRCs: no signature)
     with pytest.raises(CheckpointError, match=rf"entry '{key}' is a BytesStorageMetadata, not a tensor"):
         load_trainer_state(make_trainer(bias_rate=0.0), str(ck))
     with pytest.raises(CheckpointError, match="not a tensor"):
@@ -321,8 +339,8 @@ class _LocalTrainer:
     def __init__(self, trainer: PolicyTrainer) -> None:
         self.trainer = trainer
 
-    def load_state(self, path: str) -> int:
-        load_trainer_state(self.trainer, path)
+    def load_state(self, path: str, timeout_s: float = 60.0) -> int:
+        load_trainer_state(self.trainer, path, timeout_s)
         return self.trainer.steps_done
 
 
