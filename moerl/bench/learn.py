@@ -136,8 +136,12 @@ def read_run(run_dir: Path) -> dict:
     wall = steps[-1]["time"] - t0 if steps else 0.0
     samples = sum(r.get("samples", 0) for r in steps)
     kl = sorted(r.get("is/behaviour_kl", 0.0) for r in steps) or [0.0]
+    mean = lambda rows, key: sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)  # noqa: E731
+    # Entropy and the share of groups whose rewards are all equal (no gradient) tell a collapsed policy apart
     return {"curve": curve, "steps": len(steps), "wall_s": wall, "samples_per_s": samples / max(wall, 1e-9),
-            "kl_median": kl[len(kl) // 2], "kl_max": kl[-1]}
+            "kl_median": kl[len(kl) // 2], "kl_max": kl[-1],
+            "entropy_first": mean(steps[:10], "policy/entropy"), "entropy_last": mean(steps[-10:], "policy/entropy"),
+            "all_equal_last": mean(steps[-10:], "reward/all_equal_frac")}
 
 
 def time_to(curve: list[tuple[float, float]], accuracy: float) -> float | None:
@@ -213,12 +217,20 @@ def table(runs: dict[str, dict], warm_accuracy: float, levels: list[float]) -> s
         rows.append(Row(f"RL time to warm start + {level:g}", ta if ta is not None else math.inf,
                         ts if ts is not None else math.inf, "s", higher_is_better=False))
         if ta is None or ts is None:
-            notes.append(f"+{level:g}: " + ", ".join(f"{m} not reached" for m, t in (("async", ta), ("sync", ts))
-                                                    if t is None))
+            notes.append(f"not reached within the run: +{level:g}: " + ", ".join(
+                f"{m} not reached" for m, t in (("async", ta), ("sync", ts)) if t is None))
     rows += [Row("throughput", a["samples_per_s"], s["samples_per_s"], "samples/s"),
              Row("behaviour KL per token, median step", a["kl_median"], s["kl_median"], "nats", higher_is_better=False),
-             Row("behaviour KL per token, worst step", a["kl_max"], s["kl_max"], "nats", higher_is_better=False)]
+             Row("behaviour KL per token, worst step", a["kl_max"], s["kl_max"], "nats", higher_is_better=False),
+             Row("policy entropy, first 10 steps", a["entropy_first"], s["entropy_first"], "nats"),
+             Row("policy entropy, last 10 steps", a["entropy_last"], s["entropy_last"], "nats"),
+             Row("groups with all rewards equal, last 10 steps", a["all_equal_last"], s["all_equal_last"], "",
+                 higher_is_better=False)]
+    for mode, r in (("async", a), ("sync", s)):
+        if r["all_equal_last"] >= 0.99 and r["entropy_last"] < 0.05:
+            notes.append(f"{mode} collapsed: entropy {r['entropy_last']:.3g} and every group's rewards equal (no "
+                         "gradient); lower train.optim.lr (or train.max_staleness)")
     text = format_table(f"\nlearning (peer column: sync mode; warm start {warm_accuracy:.3f} in-process)", rows,
                         peer_name="sync")
-    return "\n".join([text, *(f"not reached within the run: {n}" for n in notes),
+    return "\n".join([text, *notes,
                       kl_verdict({"async": a["kl_max"], "sync": s["kl_max"]})])
