@@ -3,7 +3,7 @@ routing replay.
 
 - The float32 master weights move at a small learning rate (1e-6), where bf16 weights would mostly not: a bf16
   ulp near 0.02 is ~1e-4, so an update of ~1e-6 rounds away; the float32 master keeps it (what
-  scripts/gpu/train_bf16_check.sh checked by hand through `moerl train`).
+  scripts/gpu/train_bf16_check.sh, now removed, checked by hand through `moerl train`).
 - An RL step on samples whose behaviour log-probs are the trainer's own (`token_logprobs`) sees behaviour KL 0
   and importance weights 1: the step's forward and the scoring function are the same computation.
 """
