@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar, Union, get_args, get_origin
 
 from moerl.checks import CheckFailed, ConfigError, require
+from moerl.redact import MASK, looks_secret, redact, redact_config, secret_key
 from moerl.train.config import LossConfig, OptimConfig
 
 T = TypeVar("T")
@@ -52,7 +53,9 @@ class RunConfig:
     name: str = "demo"  # run name, shown in logs and metrics
     dir: str = "runs/demo"  # where everything of the run is written (logs, metrics, checkpoints)
     seed: int = 0  # global random seed
-    deterministic: bool = False  # deterministic algorithms and orderings (slower, reproducible)
+    # CPU only (preflight refuses it on a GPU): torch's deterministic algorithms in every trainer and rollout process,
+    # sync mode, batches in task order, log-probs and routing from one full forward (bitwise = the trainer's)
+    deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available, else cpu
     log_level: Literal["debug", "info", "warning", "error"] = "info"  # logging verbosity
     wandb: bool = False  # also log to Weights & Biases (pip install wandb); TensorBoard is always written
@@ -68,13 +71,18 @@ class ModelConfig:
     # the trainer's forward/backward dtype and the rollout engine's weights (master weights: train.master_dtype)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     dispatcher: Literal["auto", "local", "all_to_all", "symm_mem"] = "auto"  # MoE token dispatch backend
-    capacity_factor: float = 0.0  # expert capacity as a multiple of the even share; 0 = dropless
+    # Expert capacity as a multiple of the even share; only 0 (dropless) is accepted: which tokens a capacity drops
+    # depends on the batch a forward sees, and the engine's decode batches are never the trainer's micro-batches,
+    # so the trainer would train a function the rollout did not sample from (drops are not replayed yet)
+    capacity_factor: float = 0.0
     router_aux_loss_coef: float = 0.0  # weight of the router load-balancing auxiliary loss
     expert_bias_update_rate: float = 0.0  # aux-loss-free balancing: expert bias step; 0 = off
     routing_replay: bool = True  # train on the expert routing recorded at rollout time
 
     def validate(self) -> None:
-        require(self.capacity_factor >= 0, "capacity_factor", "must be >= 0 (0 = dropless)")
+        require(self.capacity_factor == 0, "capacity_factor",
+                "must be 0 (dropless): drops depend on the batch a forward sees, the rollout's batches are not the "
+                "trainer's, and drops are not replayed, so the trainer would learn from another policy's samples")
 
 
 @dataclass
@@ -265,13 +273,6 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SECRET_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 _RESERVED_ENV = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "MOERL_CONFIG_B64"})
-_SECRET_WORDS = frozenset({"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY"})
-
-
-def _looks_secret(name: str) -> bool:
-    """An env name such as AWS_SECRET_ACCESS_KEY, HF_TOKEN, DB_PASSWORD or OPENAI_API_KEY (not TOKENIZERS_...)."""
-    words = name.upper().split("_")
-    return bool(_SECRET_WORDS.intersection(words)) or words[-1] == "KEY" or "ACCESS_KEY" in name.upper()
 
 
 _TOLERATION = re.compile(r"[A-Za-z0-9./_-]+(=[A-Za-z0-9._-]*)?(:(NoSchedule|PreferNoSchedule|NoExecute))?")
@@ -334,15 +335,15 @@ class LaunchConfig:
         require(all(p.startswith("/") for p in self.volumes.values()), "volumes", "mount paths must be absolute")
         require(1 <= self.ray_port <= 65535, "ray_port", "must be a TCP port")
         for name in self.env:
-            require(not _looks_secret(name), "env", f"entry {name!r} looks like a credential: plain env is "
+            require(not looks_secret(name), "env", f"entry {name!r} looks like a credential: plain env is "
                     "printed in the manifests; put it in a Kubernetes Secret and name it in launch.secret_env")
         for name, ref in self.secret_env.items():
             require(_ENV_NAME.fullmatch(name) is not None, "secret_env",
                     f"name {name!r} is not an environment variable name")
             secret, _, key = ref.partition("/")
             require(_SECRET_NAME.fullmatch(secret) is not None and _SECRET_KEY.fullmatch(key) is not None,
-                    "secret_env", f"entry {name!r} is {ref!r}, not 'secret-name/key' (a Secret's DNS name, '/', "
-                    "a key of it)")
+                    "secret_env", f"entry {name!r} is not 'secret-name/key' (a Secret's DNS name, '/', a key of "
+                    "it); its value is not shown, since it may be the secret itself")
             require(name not in self.env, "secret_env", f"entry {name!r} is also in launch.env")
             require(name not in _RESERVED_ENV, "secret_env", f"entry {name!r} is set by moerl launch itself")
 
@@ -489,7 +490,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _wrong_type(key: str, tp: Any, value: Any, ctx: _Context) -> ConfigError:
-    shown = f"{repr(value)[:80]} ({type(value).__name__})"
+    shown = MASK if secret_key(key) else f"{repr(value)[:80]} ({type(value).__name__})"  # never echo a credential
     return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {shown} from {ctx.source}")
 
 
@@ -557,7 +558,8 @@ def _validate(obj: Any, prefix: str) -> None:
         check()
     except CheckFailed as err:
         try:
-            got = f", got {functools.reduce(getattr, err.key.split('.'), obj)!r}"
+            value = functools.reduce(getattr, err.key.split('.'), obj)
+            got = f", got {redact(repr(redact_config(value)))}"  # a refused launch.env holds the credential itself
         except AttributeError:
             got = ""
         raise ConfigError(f"config key {prefix + err.key!r} {err.message}{got}") from None

@@ -175,6 +175,15 @@ def check_expert_split(cfg: MoerlConfig, arch: MoEModelConfig) -> None:
                              f"{cfg.rollout.ep_size} ranks takes one GPU per rank: set it to {cfg.rollout.ep_size}")
 
 
+def check_deterministic(cfg: MoerlConfig, device: str) -> None:
+    """run.deterministic is honoured on the CPU (torch's deterministic algorithms in every trainer and rollout
+    process, sync mode, batches in task order, log-probs from the full forward); refused where it cannot be."""
+    if cfg.run.deterministic and device.startswith("cuda"):
+        raise PreflightError("config key 'run.deterministic' is CPU-only: on a GPU the grouped GEMMs, the Triton "
+                             "kernels and flash attention's backward are not bitwise reproducible here; set "
+                             "run.device = \"cpu\" or run.deterministic = false")
+
+
 # ------------------------------------------------------------------------------------------ resume
 def check_resume(store: CheckpointStore, fingerprint: dict[str, Any], *, every: int,
                  step: int | None = None) -> int:

@@ -88,7 +88,8 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
     worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),
                         seed=cfg.run.seed, threads=cfg.rollout.threads, grace_s=cfg.rollout.grace_s,
-                        imds_url=cfg.rollout.imds_url, ep_size=cfg.rollout.ep_size)
+                        imds_url=cfg.rollout.imds_url, ep_size=cfg.rollout.ep_size,
+                        expert_bias=cfg.model.expert_bias_update_rate > 0)
     trainer = TrainerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                           optim=t.optim, loss=t.loss, ep_size=cfg.ep.size,
                           dispatcher=cfg.model.dispatcher, routing_replay=cfg.model.routing_replay,
@@ -98,7 +99,7 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           data_parallel=t.data_parallel, collective_timeout_s=t.collective_timeout_s,
                           master_dtype=t.master_dtype, micro_batch_tokens=t.micro_batch_tokens,
                           activation_checkpointing=t.activation_checkpointing,
-                          temperature=cfg.rollout.temperature)
+                          temperature=cfg.rollout.temperature, deterministic=cfg.run.deterministic)
     return worker, trainer
 
 
@@ -189,6 +190,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             raise PreflightError(str(e)) from e
         preflight.check_tokenizer(task, arch)
         preflight.check_expert_split(cfg, arch)
+        preflight.check_deterministic(cfg, resolve_device(cfg))
         try:
             plan = eval_plan(cfg, task)  # opens the eval set: a bad one fails here
         except Exception as e:  # noqa: BLE001 - TaskError and the data readers' errors

@@ -67,7 +67,9 @@ def rank_engine(spec, rank: int, size: int, store: dist.Store) -> EngineGroup:
     else:
         model = build_model(MoEModelConfig.from_hf_dict(spec.arch), dtype=dtype, device=device, seed=spec.seed,
                             expert_parallel_group=group, dispatcher=DISPATCHER)
-    return EngineGroup(model, spec.engine, group=group, version=-1)
+    from moerl.actors.rollout_worker import rollout_model
+
+    return EngineGroup(rollout_model(model, spec), spec.engine, group=group, version=-1)
 
 
 def _follower(rank: int, size: int, port: int, spec, parent_pid: int) -> None:

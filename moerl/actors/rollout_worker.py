@@ -54,6 +54,7 @@ class WorkerSpec:
     imds_interval_s: float = 5.0
     group_timeout_s: float = 600.0
     ep_size: int = 1  # ranks of the engine: > 1 runs an engine group (moerl/actors/engine_ranks.py)
+    expert_bias: bool = False  # choose experts with the router's expert bias, as the trainer does (it arrives with the weights)
 
 
 def _build_engine(spec: WorkerSpec, arch: MoEModelConfig, dtype: torch.dtype) -> Engine | GroupLeader:
@@ -65,7 +66,14 @@ def _build_engine(spec: WorkerSpec, arch: MoEModelConfig, dtype: torch.dtype) ->
         model = load_pretrained(spec.model_path, dtype=dtype, device=spec.device)
     else:
         model = build_model(arch, dtype=dtype, device=spec.device, seed=spec.seed)
-    return Engine(model, spec.engine, version=-1)
+    return Engine(rollout_model(model, spec), spec.engine, version=-1)
+
+
+def rollout_model(model, spec: WorkerSpec):
+    """The model as the rollout runs it: routing as the trainer's (the expert bias on when the trainer uses it)."""
+    if spec.expert_bias:
+        model.enable_expert_bias()
+    return model
 
 
 def sample_seed(run_seed: int, task_id: str, index: int) -> int:
@@ -77,6 +85,8 @@ def sample_seed(run_seed: int, task_id: str, index: int) -> int:
 class RolloutWorker:
     def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
         torch.set_num_threads(spec.threads)
+        if spec.engine.deterministic:  # run.deterministic: as in the trainer ranks
+            torch.use_deterministic_algorithms(True)
         self.worker_id, self.spec = worker_id, spec
         dtype = getattr(torch, spec.dtype)
         arch = MoEModelConfig.from_hf_dict(spec.arch)

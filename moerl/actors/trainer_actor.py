@@ -43,12 +43,15 @@ class TrainerSpec:
     micro_batch_tokens: int = 0
     activation_checkpointing: bool = False
     temperature: float = 1.0  # the rollout's sampling temperature (the behaviour log-probs are under it)
+    deterministic: bool = False  # torch's deterministic algorithms (run.deterministic; CPU only, preflight checks)
 
 
 class TrainerRank:
     def __init__(self, rank: int, world: int, spec: TrainerSpec) -> None:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(spec.seed + rank)
+        if spec.deterministic:  # an op without a deterministic kernel then raises instead of varying
+            torch.use_deterministic_algorithms(True)
         self.rank, self.world, self.spec = rank, world, spec
         self.device = spec.device
         if spec.device == "cuda":

@@ -82,7 +82,14 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model: MoECausalLM, config: EngineConfig | None = None, *, version: int = 0) -> None:
+    def __init__(self, model: MoECausalLM, config: EngineConfig | None = None, *, version: int = 0,
+                 group_member: bool = False) -> None:
+        """group_member: set by EngineGroup, the one caller that may hand in a model whose experts are split."""
+        split = model.moe_blocks[0].dispatcher.world_size if model.moe_blocks else 1
+        if split > 1 and not group_member:  # its MoE layers would wait forever for the other ranks' tokens
+            raise ValueError(f"this model's experts are split over {split} ranks (built with expert_parallel_group): "
+                             "a plain Engine cannot run it; run an EngineGroup (moerl.rollout.EngineGroup) on every "
+                             "rank of that group")
         self.model = model.eval()
         self.config = config = config or EngineConfig()
         self._check_config(config)

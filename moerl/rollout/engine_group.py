@@ -62,7 +62,7 @@ class EngineGroup:
             raise ValueError("EngineConfig.deterministic is not supported with expert parallelism (ep_size > 1) yet")
         if self.size > 1 and config.cuda_graphs:
             config = dataclasses.replace(config, cuda_graphs=False)  # see the module docstring
-        self.engine = Engine(model, config, version=version)
+        self.engine = Engine(model, config, version=version, group_member=True)
         # NCCL reduces device tensors only; gloo host tensors.
         self._agree_device = self.engine.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         self.stats = self.engine.stats

@@ -75,6 +75,9 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / optim.warmup_steps) if optim.warmup_steps else 1.0)
         self.steps_done = 0
+        # Buffers (the router's expert bias) travel in their own dtype: a bias step of 1e-3 on a bias of ~0.1
+        # would round away in bf16, and the engine would choose other experts than the trainer
+        self._buffers = {name for name, _ in model.named_buffers()}
 
     # ------------------------------------------------------------------ steps
     def rl_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -223,15 +226,18 @@ class PolicyTrainer:
     def publish_state(self) -> dict[str, torch.Tensor]:
         """This rank's share of the policy weights for the rollout workers (`publish_items`) as CPU tensors in
         the published dtype: the reference the weight-sync transports are checked against."""
-        return {name: t.to(self.publish_dtype(t)).to("cpu", copy=True) for name, t in self.publish_items()}
+        return {name: t.to(self.publish_dtype(name, t)).to("cpu", copy=True) for name, t in self.publish_items()}
 
-    def publish_dtype(self, t: torch.Tensor) -> torch.dtype:
-        """Weights travel in the compute dtype (half the bytes of float32 master weights under bf16)."""
-        return (self.compute_dtype or self.master_dtype) if t.is_floating_point() else t.dtype
+    def publish_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
+        """Weights travel in the compute dtype (half the bytes of float32 master weights under bf16); buffers and
+        integer tensors in their own."""
+        if not t.is_floating_point() or name in self._buffers:
+            return t.dtype
+        return self.compute_dtype or self.master_dtype
 
     def publish_spec(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(name, published dtype, whole shape) of this rank's share, in `publish_items` order, without data."""
-        return [(name, self.publish_dtype(t), tuple(t.shape)) for name, t in self.model.state_dict().items()
+        return [(name, self.publish_dtype(name, t), tuple(t.shape)) for name, t in self.model.state_dict().items()
                 if self._publishes(name)]
 
     def publish_items(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -85,7 +85,7 @@ def main() -> None:
         t0 = time.perf_counter()
         handles = publisher.shared(version)
         publish_s = time.perf_counter() - t0
-        want = _checksums((name, t.to(trainer.publish_dtype(t))) for name, t in trainer.publish_items())
+        want = _checksums((name, t.to(trainer.publish_dtype(name, t))) for name, t in trainer.publish_items())
         inbox.put((version, handles))
         got_version, open_s, apply_s, got = outbox.get(timeout=600)
         same = got == want

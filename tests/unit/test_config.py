@@ -73,8 +73,8 @@ def test_no_path_means_defaults_and_checkpoint_dir_falls_back_to_run_dir():
 
 
 def test_file_sets_only_given_keys(tmp_path):
-    cfg = load_config(write(tmp_path, "[train]\nsteps = 7\n[model]\ncapacity_factor = 1.25\n"))
-    assert cfg.train.steps == 7 and cfg.model.capacity_factor == 1.25
+    cfg = load_config(write(tmp_path, "[train]\nsteps = 7\n[model]\nrouter_aux_loss_coef = 1.25\n"))
+    assert cfg.train.steps == 7 and cfg.model.router_aux_loss_coef == 1.25
     assert cfg.train.optim.lr == 1e-4 and cfg.rollout.num_workers == 2
 
 
@@ -174,8 +174,8 @@ def test_bool_rejected_for_int_and_float_but_int_accepted_for_float():
         config_from_dict({"train": {"optim": {"lr": False}}}, MoerlConfig)
     with pytest.raises(ConfigError, match=r"'train.steps' expects int, got 2.0 \(float\)"):
         config_from_dict({"train": {"steps": 2.0}}, MoerlConfig)
-    cfg = config_from_dict({"train": {"optim": {"lr": 1}}, "model": {"capacity_factor": 2}}, MoerlConfig)
-    assert cfg.train.optim.lr == 1.0 and type(cfg.train.optim.lr) is float and type(cfg.model.capacity_factor) is float
+    cfg = config_from_dict({"train": {"optim": {"lr": 1}}, "model": {"router_aux_loss_coef": 2}}, MoerlConfig)
+    assert cfg.train.optim.lr == 1.0 and type(cfg.train.optim.lr) is float and type(cfg.model.router_aux_loss_coef) is float
 
 
 def test_literal_error_lists_choices():
@@ -194,12 +194,15 @@ def test_validate_errors_name_the_key():
         "--rollout.gpu_memory_fraction=0": "config key 'rollout.gpu_memory_fraction' must be in (0, 1], got 0.0",
         "--rollout.kv_cache_tokens=-1": "config key 'rollout.kv_cache_tokens' must be >= 0 (0 = from memory), got -1",
         "--ep.size=0": "config key 'ep.size' must be >= 1, got 0",
-        "--model.capacity_factor=-1": "config key 'model.capacity_factor' must be >= 0 (0 = dropless), got -1.0",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError) as err:
             load_config(DEMO, [override])
         assert str(err.value) == message
+    for value in ("-1", "1.25"):  # refused, not ignored: the engine would not drop what the trainer drops
+        with pytest.raises(ConfigError, match=r"^config key 'model.capacity_factor' must be 0 \(dropless\): drops "
+                                              r"depend on the batch .* not replayed.*, got"):
+            load_config(DEMO, [f"--model.capacity_factor={value}"])
     with pytest.raises(ConfigError, match=r"config key 'inner.ratio' must be <= 1, got 2.0"):
         config_from_dict({"inner": {"ratio": 2}}, Outer)  # validate() of a generic nested section
     assert config_from_dict({"inner": {"ratio": 2}}, Outer, validate=False).inner.ratio == 2.0

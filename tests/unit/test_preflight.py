@@ -397,3 +397,28 @@ def test_resume_if_saved_resumes_only_when_a_checkpoint_is_committed(tmp_path, m
     store.write_bytes(4, "state.bin", b"x")
     store.commit(4)
     assert run.main(argv) == 2 and seen == [False, True]
+
+
+def test_deterministic_is_refused_on_a_gpu_and_set_in_every_trainer_process(tmp_path) -> None:
+    """run.deterministic promises deterministic algorithms: on the CPU every trainer rank and rollout worker turns
+    torch's on (an op without a deterministic kernel raises instead of varying); on a GPU, where the grouped GEMMs
+    and Triton kernels are not reproducible, it is refused before anything starts."""
+    import torch
+
+    from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
+    from moerl.train.config import LossConfig, OptimConfig
+
+    cfg = load_config(DEMO, ["--run.deterministic=true"])
+    with pytest.raises(PreflightError, match=r"^config key 'run.deterministic' is CPU-only"):
+        preflight.check_deterministic(cfg, "cuda")
+    preflight.check_deterministic(cfg, "cpu")
+    preflight.check_deterministic(load_config(DEMO), "cuda")  # off: nothing to refuse
+    spec = TrainerSpec(arch={}, model_path="", dtype="float32", device="cpu", optim=OptimConfig(), loss=LossConfig(),
+                       ep_size=1, dispatcher="auto", routing_replay=True, aux_loss_coef=0.0, expert_bias_rate=0.0,
+                       capacity_factor=0.0, seed=0, deterministic=True)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        TrainerRank(0, 1, spec)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)

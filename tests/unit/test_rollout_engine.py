@@ -602,3 +602,14 @@ def test_no_engine_forward_records_autograd(model):
     assert len(seen) >= 8, seen
     assert not any(grad for grad, _ in seen), "an engine forward ran with autograd on"
     assert not any(req for _, req in seen), "an engine forward's output requires grad"
+
+
+def test_engine_refuses_a_model_whose_experts_are_split_over_ranks(model, monkeypatch):
+    """A plain Engine on an expert-parallel model would wait forever in its first MoE layer for the other ranks;
+    it is refused at once, naming EngineGroup (which may take such a model)."""
+    split = make_model(0)
+    for block in split.moe_blocks:
+        monkeypatch.setattr(block.dispatcher, "world_size", 2)
+    with pytest.raises(ValueError, match=r"experts are split over 2 ranks .* run an EngineGroup"):
+        Engine(split, EngineConfig(max_seq_len=64))
+    Engine(split, EngineConfig(max_seq_len=64), group_member=True)  # what EngineGroup builds

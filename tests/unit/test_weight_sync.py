@@ -67,3 +67,33 @@ def test_shared_opener_keeps_buffers_of_one_cuda_segment_apart(monkeypatch):
     a, b = opener.open(first), opener.open(second)
     assert mapped == [first, second] and not torch.equal(a, b)
     assert opener.open(first) is a and opener.open(second) is b and len(mapped) == 2  # each mapped once
+
+
+def test_expert_bias_travels_in_float32_and_steers_the_engines_routing():
+    """model.expert_bias_update_rate: the trainer's router bias reaches the engine with the weights, exactly, and
+    the engine a worker builds chooses experts with it (a +100 bias once left the rollout's choices unchanged)."""
+    from dataclasses import replace
+
+    from moerl.actors.rollout_worker import WorkerSpec, _build_engine
+    from moerl.rollout import SamplingParams
+
+    arch = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8)
+    trainer = PolicyTrainer(build_model(arch, seed=0), OptimConfig(lr=1e-2), LossConfig(), expert_bias_rate=1e-3,
+                            compute_dtype=torch.bfloat16)
+    for block in trainer.model.moe_blocks:
+        block.gate.expert_bias[3] = 100.0 + 1e-3  # +1e-3 is below bf16's resolution at 100: it must survive
+    spec = WorkerSpec(arch=arch.to_hf_dict(), model_path="", dtype="float32", device="cpu",
+                      engine=EngineConfig(max_batch_size=2, max_seq_len=32), sampling=SamplingParams(),
+                      task_name="", task_options={}, seed=1, expert_bias=True)
+    published = trainer.publish_state()
+    bias_names = [n for n in published if n.endswith("expert_bias")]
+    assert bias_names and all(published[n].dtype == torch.float32 for n in bias_names)
+    assert all(published[n][3] == 100.0 + 1e-3 for n in bias_names)
+    for expert_bias, must_pick in ((True, True), (False, False)):
+        engine = _build_engine(replace(spec, expert_bias=expert_bias), arch, torch.float32)
+        apply_weights(engine, stage([(n, t, None) for n, t in published.items()], engine.device), 1)
+        (c,) = engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4, temperature=0.0))
+        picks_3 = bool((c.routed_experts == 3).any(-1).all())
+        assert picks_3 == must_pick  # with the bias on, expert 3 at every position and layer
