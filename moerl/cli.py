@@ -99,21 +99,26 @@ def _config(argv: list[str]) -> int:
         epilog=config_sections())
     parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
     args, extra = parser.parse_known_args(argv)
-    from moerl.config import ConfigError, dump_toml, load_config
+    from moerl.config import ConfigError, MoerlConfig, config_from_dict, config_to_dict, dump_toml, load_config
+    from moerl.redact import redact, redact_config
 
     try:
         cfg = load_config(args.config, _overrides(parser, extra))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
     from moerl.tasks.base import TaskError, task_config
 
     try:  # imports the task's module (a config is trusted: it names code that every node imports)
         task_config(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
     except TaskError as e:
-        print(f"error: config key 'task.options' (or 'task.name'): {e}", file=sys.stderr)
+        print(f"error: config key 'task.options' (or 'task.name'): {redact(str(e))}", file=sys.stderr)
         return 2
-    print(dump_toml(cfg), end="")
+    plain = config_to_dict(cfg)
+    shown = redact_config(plain)  # credentials in a URL, values of secret keys: never printed
+    if shown != plain:
+        print("# values that look like credentials are shown as ***")
+    print(dump_toml(config_from_dict(shown, MoerlConfig, validate=False)), end="")
     return 0
 
 

@@ -29,6 +29,7 @@ from moerl import preflight
 from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.preflight import PreflightError, one_line
+from moerl.redact import redact, redact_config
 from moerl.rollout import EngineConfig, SamplingParams
 from moerl.tasks.base import Task, stop_token_ids
 from moerl.train.trainer import Sample
@@ -331,7 +332,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         wandb = ({"project": cfg.run.wandb_project, "name": cfg.run.wandb_name or cfg.run.name,
                   "mode": cfg.run.wandb_mode} if cfg.run.wandb else None)
         report = RunReporter(run_dir, cfg.train.steps, resume=resuming, wandb=wandb,
-                             config={k: v for k, v in dataclasses.asdict(cfg).items() if k != "launch"})
+                             config=redact_config({k: v for k, v in dataclasses.asdict(cfg).items() if k != "launch"}))
         checkpointer.on_event = report.event
         report.stage(f"run {cfg.run.name}: {cfg.train.steps} RL steps"
                      + (f" after a {cfg.train.sft_steps}-step warm start" if cfg.train.sft_steps and not resuming
@@ -425,7 +426,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
     debug = cfg.run.log_level == "debug"
     resume = args.resume or args.resume_step is not None
@@ -492,7 +493,7 @@ def _resume_hint(cfg: MoerlConfig, again: str) -> str:
 def _error(e: BaseException, debug: bool, run_dir: Path | None = None, suffix: str = "") -> None:
     """`error: <one line>` on stderr; the traceback too with run.log_level = debug, else (for a run that had
     started) in <run.dir>/error.log."""
-    text = traceback.format_exc()
+    text = redact(traceback.format_exc())  # an exception's text may hold what a storage client was given
     if debug:
         print(text, file=sys.stderr, end="")
     elif run_dir is not None and run_dir.is_dir():
@@ -502,4 +503,4 @@ def _error(e: BaseException, debug: bool, run_dir: Path | None = None, suffix: s
             suffix += f" (traceback in {run_dir / 'error.log'})"
         except OSError:
             pass
-    print(f"error: {one_line(e)}{suffix}", file=sys.stderr)
+    print(f"error: {redact(one_line(e))}{suffix}", file=sys.stderr)

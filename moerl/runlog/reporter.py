@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
+from moerl.redact import redact
 from moerl.runlog.plots import PlotWriter
 from moerl.runlog.progress import Progress, format_duration
 from moerl.runlog.run_log import RunLog
@@ -121,7 +122,7 @@ class RunReporter:
     # ------------------------------------------------------------------------------------------ start-up
     def stage(self, text: str) -> None:
         """A line saying what the run does now: `[0:00:04] starting 2 rollout workers`."""
-        self.progress.stage(text)
+        self.progress.stage(redact(text))
 
     def warm_start(self, index: int, total: int, metrics: Mapping[str, Any]) -> None:
         """Supervised warm-start step `index` (0-based) of `total`: logged as step index - total (negative)."""
@@ -197,7 +198,9 @@ class RunReporter:
     # ------------------------------------------------------------------------------------------ events
     def event(self, kind: str, text: str) -> None:
         """Something that happened (a checkpoint saved, a worker lost or started, an eval done, a warning),
-        printed as a line of its own. The hook given to the Ray parts: `on_event=report.event`."""
+        printed as a line of its own. The hook given to the Ray parts: `on_event=report.event`. Secrets are
+        masked (moerl/redact.py): an error's text may hold what a storage client or a reward was given."""
+        text = redact(text)
         self.events.append((kind, text))
         self.progress.stage(f"warning: {text}" if kind == "warning" else text)
         if kind == "warning":  # kept where a failed run's traceback goes, so no warning is seen only in passing

@@ -22,7 +22,7 @@ ALLOWED = {
     "train": {"model", "ep", "kernels", "checks", "wire"},
     "tasks": set(),
     "loop": {"tasks", "train", "rollout", "model", "ep", "kernels", "checks", "wire"},
-    "runlog": set(),
+    "runlog": {"redact"},  # moerl/redact.py: standard library only
 }
 NO_RAY = {"kernels", "ep", "model", "rollout", "checkpoint", "train", "tasks", "loop", "runlog"}
 
