@@ -43,6 +43,39 @@ def test_make_dispatcher_refuses_with_the_reason(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def nccl_where_symm_mem_works(monkeypatch):
+    """An EP group of 2 NCCL ranks on which the probe finds NVSHMEM working (no process group is made: the
+    choice is made before any collective)."""
+    import moerl.ep.symm_mem as sm
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(sm, "symm_mem_unavailable_reason", lambda group=None, num_experts=0: None)
+    return sm
+
+
+def test_auto_never_picks_symm_mem(nccl_where_symm_mem_works, monkeypatch):
+    from moerl.ep.all_to_all import AllToAllDispatcher
+
+    # symm_mem has not run on two GPUs: `auto` (what `moerl train` passes by default) must not pick it
+    assert type(make_dispatcher("auto", 8, object())) is AllToAllDispatcher
+    assert type(make_dispatcher("auto", 8, None)) is LocalDispatcher
+    # it stays available by name
+    monkeypatch.setattr(nccl_where_symm_mem_works, "SymmMemDispatcher", lambda n, g: ("symm_mem", n))
+    assert make_dispatcher("symm_mem", 8, object()) == ("symm_mem", 8)
+
+
+def test_shipped_configs_use_no_symm_mem():
+    from moerl.config import load_config
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        assert load_config(path, []).model.dispatcher in ("auto", "local", "all_to_all"), path.name
+
+
 # ------------------------------------------------ the dispatcher's logic, with emulated ops (gloo, float64)
 E, K, D = 6, 2, 5
 
