@@ -12,7 +12,7 @@ from typing import Any
 
 from torchx.specs import AppDef
 
-from moerl.config import ConfigError, MoerlConfig
+from moerl.config import ConfigError, LaunchConfig, MoerlConfig
 from moerl.launch.components import pod_config, resource, rollout, trainer_app
 from moerl.launch.kubernetes import JobShape, head_address, token_secret
 from moerl.launch.presets import PRESETS, SCHEDULERS, InstanceType
@@ -87,6 +87,7 @@ def check(cfg: MoerlConfig, scheduler: str) -> None:
     if la.rollout_nodes:
         ritype = _instance("launch.rollout_instance_type", la.rollout_instance_type or la.instance_type)
         rgpus = _per_node("launch.gpus_per_node", la.gpus_per_node, ritype.gpus, "GPUs", ritype)
+        _per_node("launch.efa_per_node", la.efa_per_node, ritype.efa, "EFA devices", ritype)
         if cfg.rollout.ep_size > rgpus:  # a worker is one Ray actor: its engine group's GPUs are on one node
             raise _fail("rollout.ep_size", f"({cfg.rollout.ep_size} GPUs per rollout engine) exceeds the {rgpus} GPUs "
                         "of a rollout node: an engine group runs on one node")
@@ -94,6 +95,15 @@ def check(cfg: MoerlConfig, scheduler: str) -> None:
         if need > la.rollout_nodes * rgpus:
             raise _fail("rollout.num_workers", f"x rollout.gpus_per_worker needs {need:g} GPUs, but "
                         f"launch.rollout_nodes={la.rollout_nodes} x {rgpus} GPUs per node have {la.rollout_nodes * rgpus}")
+
+
+def rollout_efa(la: LaunchConfig, ritype: InstanceType) -> int:
+    """EFA devices per rollout pod, asked as a trainer pod asks (`launch.efa_per_node`; 0 turns EFA off for both).
+    A rollout job's pods are always nodes other than the trainer's (only they carry the `rollout` Ray resource),
+    so every weight version crosses nodes, and NCCL between them (the broadcast transport) needs EFA as the
+    trainer's collectives do (the object store goes over TCP). An engine group (`rollout.ep_size`) never spans
+    nodes: `check` refuses one larger than a node, so it needs no condition of its own here."""
+    return ritype.efa if la.efa_per_node == -1 else la.efa_per_node
 
 
 def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
@@ -122,13 +132,15 @@ def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
     if la.rollout_nodes:
         ritype = PRESETS[la.rollout_instance_type or la.instance_type]
         rgpus = ritype.gpus if la.gpus_per_node == -1 else la.gpus_per_node
+        refa = rollout_efa(la, ritype)  # with it, the EFA env (components.EFA_ENV) and hugepages, as the trainer's
         app = rollout(head_address(trainer_job, la.namespace, la.ray_port), la.image, la.rollout_nodes,
-                      la.rollout_min_nodes, name, ritype.name, rgpus, 0, la.cpus_per_node or ritype.pod_cpus,
+                      la.rollout_min_nodes, name, ritype.name, rgpus, refa, la.cpus_per_node or ritype.pod_cpus,
                       la.memory_gib_per_node or ritype.pod_memory_gib, la.rollout_grace_s, la.rollout_max_retries,
                       la.head_wait_s, dict(la.env))
         capacity = "SPOT" if la.rollout_capacity == "spot" else "ON_DEMAND"
         apps.append(Planned(app, JobShape(f"{name}-rollout", capacity, grace_s=la.rollout_grace_s,
-                                          min_available=la.rollout_min_nodes, policies=RESTART_POD, **common)))
+                                          min_available=la.rollout_min_nodes, policies=RESTART_POD,
+                                          hugepages_mib=la.hugepages_mib if refa else 0, **common)))
     opts = {"namespace": la.namespace, "queue": la.queue}
     opts.update({k: v for k, v in (("service_account", la.service_account),
                                    ("priority_class", la.priority_class)) if v})

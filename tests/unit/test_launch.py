@@ -81,6 +81,8 @@ def test_launch_section_rejects(override: str, needle: str) -> None:
     (["--launch.image="], r"'launch.image' is required"),
     (["--launch.instance_type=p4d.24xlarge"], r"not a known instance type"),
     (["--launch.rollout_instance_type=g5.xlarge"], r"launch.rollout_instance_type"),
+    (["--launch.efa_per_node=16", "--launch.rollout_instance_type=p6-b200.48xlarge"],
+     r"'launch.efa_per_node' asks for 16 EFA devices .* p6-b200.48xlarge has 8"),
     (["--train.num_ranks=129", "--ep.size=1"], r"'train.num_ranks' x train.gpus_per_rank needs 129 GPUs"),
     (["--ep.size=48"], r"config key 'ep.size' must divide train.num_ranks \(128\), got 48"),
     (["--rollout.num_workers=257"], r"'rollout.num_workers' .* needs 257 GPUs"),
@@ -158,8 +160,7 @@ def test_resources_grace_and_env(manifests: list[dict]) -> None:
         assert "NCCL_PROTO" not in env and "NCCL_NVLS_ENABLE" not in env
         assert {"name": "pvc-fsx-claim", "mountPath": "/fsx"} in pod["containers"][0]["volumeMounts"]
     for pod in pods(js["qwen3-grpo-rollout"]):
-        res = pod["containers"][0]["resources"]
-        assert res["limits"]["nvidia.com/gpu"] == "8" and "vpc.amazonaws.com/efa" not in res["limits"]
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
         assert pod["terminationGracePeriodSeconds"] >= 90
     for job in js.values():
         for pod in pods(job):
@@ -167,6 +168,46 @@ def test_resources_grace_and_env(manifests: list[dict]) -> None:
             assert env["RAY_AUTH_MODE"]["value"] == "token"
             assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "qwen3-grpo-ray-token", "key": "token"}
             assert pod["serviceAccountName"] == "moerl"
+
+
+EFA_KEYS = ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "NCCL_DEBUG")  # the EFA env and launch.env's NCCL setting
+
+
+def efa_of(pod: dict) -> tuple[str | None, str | None, dict]:
+    """(EFA devices, hugepages-2Mi, the EFA/NCCL env) a pod asks for; extended resources are limits only."""
+    res, env = pod["containers"][0]["resources"], env_of(pod)
+    pages = res["limits"].get("hugepages-2Mi")
+    assert pages == res["requests"].get("hugepages-2Mi")  # hugepages: requests == limits
+    return res["limits"].get("vpc.amazonaws.com/efa"), pages, {k: env[k]["value"] for k in EFA_KEYS if k in env}
+
+
+def test_rollout_pods_request_efa_as_the_trainer_pods_do(manifests: list[dict]) -> None:
+    # rollout pods run on nodes other than the trainer's: weights cross nodes, so they get EFA like the trainer
+    js = jobs(manifests)
+    trainer, rollout = pods(js["qwen3-grpo-trainer"]), pods(js["qwen3-grpo-rollout"])
+    want = ("16", "5120Mi", {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_DEBUG": "WARN"})
+    assert len(rollout) == 32 and all(efa_of(p) == want for p in trainer + rollout)
+    for pod in rollout:
+        assert "NCCL_PROTO" not in env_of(pod) and "NCCL_NVLS_ENABLE" not in env_of(pod)
+        assert {"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+@pytest.mark.parametrize("overrides, trainer_efa, rollout_efa", [
+    (["--launch.efa_per_node=0"], None, None),  # EFA off: no devices, hugepages or EFA env anywhere
+    (["--launch.efa_per_node=4"], "4", "4"),
+    (["--launch.rollout_instance_type=p6-b200.48xlarge"], "16", "8"),  # -1: all of each node's type
+])
+def test_rollout_efa_follows_launch_efa_per_node(overrides: list[str], trainer_efa: str | None,
+                                                 rollout_efa: str | None) -> None:
+    js = jobs(cli.kubernetes_manifests(plan(eks(*overrides), "kubernetes")))
+    for job, efa in (("qwen3-grpo-trainer", trainer_efa), ("qwen3-grpo-rollout", rollout_efa)):
+        for pod in pods(js[job]):
+            devices, pages, env = efa_of(pod)
+            assert devices == efa and pages == ("5120Mi" if efa else None)
+            assert env == ({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_DEBUG": "WARN"} if efa
+                           else {"NCCL_DEBUG": "WARN"})
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(pod_templates(js[job])[0], version, strict=True)
 
 
 def test_rollout_finds_the_head_and_jobs_restart_as_designed(manifests: list[dict]) -> None:
@@ -317,6 +358,7 @@ def test_dryrun_prints_yaml_and_submits_nothing(monkeypatch: pytest.MonkeyPatch,
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     assert [d["kind"] for d in docs] == ["Job", "Job"]  # the token Secret is a comment: see the next test
     assert len(docs[1]["spec"]["tasks"]) == 2
+    assert all(efa_of(t["template"]["spec"])[:2] == ("16", "5120Mi") for d in docs for t in d["spec"]["tasks"])
 
 
 def test_cli_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
