@@ -30,6 +30,7 @@ from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.preflight import PreflightError, one_line
 from moerl.redact import redact, redact_config
+from moerl.run_dir import RunLock
 from moerl.rollout import EngineConfig, SamplingParams
 from moerl.tasks.base import Task, stop_token_ids
 from moerl.train.trainer import Sample
@@ -167,6 +168,12 @@ class Prepared:
     arch: MoEModelConfig
     resume_step: int | None
     eval_plan: object | None = None  # moerl.loop.evaluation.EvalPlan, when [eval] is on
+    lock: RunLock | None = None  # the run directory's, held until the run ends (moerl/run_dir.py)
+    notes: list[str] = dataclasses.field(default_factory=list)  # lines the run says as it starts
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None) -> Prepared:
@@ -177,8 +184,13 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
     resume = resume or resume_step is not None
     run_dir = Path(cfg.run.dir)
     new_dirs = [d for d in (run_dir, Path(cfg.checkpoint_dir())) if "://" not in str(d) and not d.exists()]
+    lock = RunLock(run_dir)
+    notes = []
     try:
         preflight.check_run_dir(run_dir)
+        lock.acquire()  # before the checks that look for a run there: two runs starting at once cannot both pass
+        if lock.took_over:
+            notes.append(f"run.dir {run_dir}: took over {lock.took_over}")
         store = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s)
         store.probe()  # a run that cannot save finds out now, not at its first save (within the deadline)
         if not resume:
@@ -203,11 +215,12 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
 
             import_wandb()  # WandbMissing: one line naming `pip install wandb`
     except BaseException:
+        lock.release()
         for d in reversed(new_dirs):  # a run that did not start leaves no directory behind (only empty ones go)
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-    return Prepared(task, arch, step, plan)
+    return Prepared(task, arch, step, plan, lock, notes)
 
 
 class StopSignals:
@@ -289,6 +302,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     `prepare` returned (it runs here when not given). SIGTERM or Ctrl-C to this process saves a checkpoint
     and stops cleanly: the result's "stopped" holds the signal's number (else None)."""
     _local_ray_auth(cfg)
+    owns_lock = prepared is None  # a caller that prepared releases the run directory's lock itself
     prepared = prepared or prepare(cfg, resume=resume, resume_step=resume_step)
     import ray
 
@@ -337,6 +351,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         report.stage(f"run {cfg.run.name}: {cfg.train.steps} RL steps"
                      + (f" after a {cfg.train.sft_steps}-step warm start" if cfg.train.sft_steps and not resuming
                         else "") + f"; outputs in {run_dir}")
+        for note in prepared.notes:
+            report.stage(note)
         if ours:
             address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
             report.stage(f"joining Ray at {address}" if address else
@@ -414,6 +430,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
             if report is not None:
                 report.close()  # waits for the plots
             signals.restore()
+            if owns_lock:
+                prepared.release()
 
 
 def main(argv: list[str]) -> int:
@@ -447,7 +465,10 @@ def main(argv: list[str]) -> int:
     from moerl.actors.pools import TrainerLost
 
     try:
-        result = train(cfg, resume=resume, prepared=prepared)
+        try:
+            result = train(cfg, resume=resume, prepared=prepared)
+        finally:
+            prepared.release()  # the run directory is free again, however the run ended
     except KeyboardInterrupt:  # a second Ctrl-C
         print(f"aborted at step {preflight.last_logged_step(Path(cfg.run.dir))} of {cfg.train.steps} by a second "
               f"Ctrl-C{_resume_hint(cfg, again)}", file=sys.stderr)
