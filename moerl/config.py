@@ -267,6 +267,12 @@ class WeightsConfig:
 class RayConfig:
     address: str = ""  # address of a Ray cluster to join; empty = start a local one
     num_cpus: int = 0  # CPUs for a local Ray; 0 = let Ray decide
+    # before Ray starts, `address` (or RAY_ADDRESS) must accept a connection within this (Ray itself retried an
+    # unreachable address for minutes)
+    connect_timeout_s: float = 5.0
+
+    def validate(self) -> None:
+        require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

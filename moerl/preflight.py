@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import socket
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +136,9 @@ def check_task(cfg: MoerlConfig) -> Task:
         raise PreflightError(f"task {name!r}: its first prompt fails: {one_line(e)}") from e
     r = cfg.rollout
     n = len(prompt.prompt_token_ids)
+    if n == 0:
+        raise PreflightError(f"task {name!r}: prompt 0 is no tokens: the tokenizer (task.options.tokenizer) turns its "
+                             "text into nothing, so the model would see no prompt")
     if n >= r.max_seq_len:
         raise PreflightError(f"task {name!r}: prompt 0 has {n} tokens, rollout.max_seq_len={r.max_seq_len} leaves no "
                              "room for a completion: raise rollout.max_seq_len")
@@ -182,6 +189,45 @@ def check_deterministic(cfg: MoerlConfig, device: str) -> None:
         raise PreflightError("config key 'run.deterministic' is CPU-only: on a GPU the grouped GEMMs, the Triton "
                              "kernels and flash attention's backward are not bitwise reproducible here; set "
                              "run.device = \"cpu\" or run.deterministic = false")
+
+
+def check_device(cfg: MoerlConfig) -> None:
+    """`run.device = "cuda"` needs a GPU where the run starts its local Ray (a cluster's GPUs are its own)."""
+    if cfg.run.device != "cuda" or cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no device visible"
+        raise PreflightError(f"config key 'run.device' is 'cuda' but this machine has no CUDA GPU (torch "
+                             f"{torch.__version__}, {build}): set --run.device=cpu (or auto)")
+
+
+def check_ray_address(address: str, timeout_s: float, say: Callable[[str], None] = lambda text: None) -> None:
+    """A Ray address to join accepts a TCP connection within `timeout_s` (a head that is still starting gets
+    that long; `say` hears once that it is being waited for). "auto" and "local" are Ray's own lookups."""
+    if address in ("", "auto", "local"):
+        return
+    target = address.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    host, _, port = target.rpartition(":") if target.rpartition(":")[2].isdigit() else (target, "", "6379")
+    host = host.strip("[]") or "127.0.0.1"
+    deadline = time.monotonic() + timeout_s
+    said, cause = False, ""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(left, 2.0))):
+                return
+        except OSError as e:
+            cause = f"{type(e).__name__}: {e.strerror or e}"
+        if time.monotonic() + 0.25 >= deadline:
+            break
+        if not said:
+            say(f"waiting for Ray at {host}:{port} (up to {timeout_s:g} s, ray.connect_timeout_s)")
+            said = True
+        time.sleep(0.25)
+    raise PreflightError(f"ray.address {address!r}: nothing answers there within {timeout_s:g} s ({cause}); start "
+                         "the cluster's head first, or leave ray.address empty for a local Ray")
 
 
 # ------------------------------------------------------------------------------------------ resume

@@ -187,6 +187,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
     lock = RunLock(run_dir)
     notes = []
     try:
+        preflight.check_device(cfg)
         preflight.check_run_dir(run_dir)
         lock.acquire()  # before the checks that look for a run there: two runs starting at once cannot both pass
         if lock.took_over:
@@ -210,6 +211,8 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             raise PreflightError(f"eval.path: {one_line(e)}") from e
         step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step)
                 if resume else None)
+        preflight.check_ray_address(cfg.ray.address or os.environ.get("RAY_ADDRESS", ""), cfg.ray.connect_timeout_s,
+                                    lambda text: print(text, file=sys.stderr, flush=True))
         if cfg.run.wandb:
             from moerl.runlog.wandb_log import import_wandb
 
@@ -454,8 +457,36 @@ def main(argv: list[str]) -> int:
         with contextlib.suppress(Exception):  # an unreadable store: preflight reports it in one line
             resume = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s).latest_step() is not None
     again = shlex.join(["moerl", "train", args.config, *args.overrides])  # the same command, without --resume
+    _local_ray_auth(cfg)  # before anything imports Ray (TrainerLost below does): Ray reads the mode at import
+    previous = _on_sigterm(_stop_before_start)  # until the loop's own handlers: the checks may wait for Ray
     try:
-        prepared = prepare(cfg, resume=resume, resume_step=args.resume_step)
+        return _prepare_and_train(cfg, resume, args.resume_step, debug, again)
+    except StoppedBeforeStart:
+        print("stopped by SIGTERM before the run started: nothing was trained", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        _on_sigterm(previous)
+
+
+class StoppedBeforeStart(BaseException):
+    """SIGTERM before the run's own stop handlers are in place (the checks, the imports): nothing to save.
+    A BaseException, as KeyboardInterrupt: no `except Exception` on the way swallows it."""
+
+
+def _stop_before_start(signum: int, frame) -> None:
+    raise StoppedBeforeStart
+
+
+def _on_sigterm(handler):
+    """Set SIGTERM's handler (main thread only); returns the one before."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _prepare_and_train(cfg: MoerlConfig, resume: bool, resume_step: int | None, debug: bool, again: str) -> int:
+    try:
+        prepared = prepare(cfg, resume=resume, resume_step=resume_step)
     except KeyboardInterrupt:
         print("interrupted before the run started: nothing was trained", file=sys.stderr)
         return 130

@@ -21,6 +21,10 @@ from typing import Any
 from moerl.tasks.base import TaskError, Tokenizer
 
 # Tokens that end a turn or a document in chat templates (Qwen/ChatML, Llama 3): a model stops on them as on EOS.
+# What a tokenizer directory must hold, one of these sets (a model directory without them loaded as a tokenizer of
+# one id, and every prompt became zero tokens).
+VOCABULARY_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",),
+                    ("spiece.model",), ("tiktoken.model",))
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
 
@@ -126,6 +130,7 @@ class HFTokenizer:
         directory = Path(path)
         if not directory.is_dir():
             raise TaskError(f"tokenizer directory {str(directory)!r} not found")
+        _check_vocabulary_files(directory)
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -155,6 +160,17 @@ class HFTokenizer:
 
         return cls(raw, eos_token_id=special("eos"), pad_token_id=special("pad"), bos_token_id=special("bos"),
                    directory=str(directory))
+
+
+def _check_vocabulary_files(directory: Path) -> None:
+    """TaskError naming what `directory` lacks when it holds none of VOCABULARY_FILES' sets."""
+    if any(all((directory / name).is_file() for name in names) for names in VOCABULARY_FILES):
+        return
+    held = sorted(p.name for p in directory.iterdir())
+    wanted = ", ".join(" + ".join(names) for names in VOCABULARY_FILES)
+    raise TaskError(f"tokenizer directory {str(directory)!r} has no tokenizer files (none of {wanted}; it holds "
+                    f"{', '.join(held[:8]) + (' ...' if len(held) > 8 else '') or 'nothing'}): download the model's "
+                    "tokenizer files into it, or set task.options.tokenizer to a tokenizer directory")
 
 
 def make_tokenizer(spec: str) -> Tokenizer:

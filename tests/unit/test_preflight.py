@@ -422,3 +422,107 @@ def test_deterministic_is_refused_on_a_gpu_and_set_in_every_trainer_process(tmp_
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+# ------------------------------------------------------------------------------------------ issue 27: inputs
+def test_a_model_dir_without_tokenizer_files_is_refused_as_the_tokenizer(model_dir, tmp_path, capsys) -> None:
+    """A model directory without tokenizer files loaded as a tokenizer of one id: every prompt was zero tokens
+    (the warm start crashed after Ray started, or RL hung at step 0)."""
+    from moerl.tasks.tokenizer import make_tokenizer
+
+    with pytest.raises(TaskError) as e:
+        make_tokenizer(str(model_dir))
+    assert f"tokenizer directory {str(model_dir)!r} has no tokenizer files" in str(e.value)
+    assert "tokenizer.json" in str(e.value) and "holds config.json, model.safetensors" in str(e.value)
+    code, err, _ = train([f"--run.dir={tmp_path / 'run'}", f"--task.options.tokenizer={model_dir}"], capsys)
+    assert code == 2 and len(err) == 1 and "has no tokenizer files" in err[0], err
+    assert no_ray_started() and not (tmp_path / "run").exists()
+
+
+def test_a_prompt_of_no_tokens_is_refused(tmp_path, monkeypatch) -> None:
+    from moerl.tasks.tokenizer import ByteTokenizer
+
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: [])
+    cfg = load_config(DEMO, ["--train.sft_steps=0"])
+    monkeypatch.setattr(ByteTokenizer, "bos_token_id", None)
+    with pytest.raises(PreflightError, match=r"prompt 0 is no tokens: .*task.options.tokenizer"):
+        preflight.check_task(cfg)
+
+
+def test_run_device_cuda_without_a_gpu_is_one_line_before_ray(tmp_path, capsys, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err, _ = train([f"--run.dir={tmp_path / 'run'}", "--run.device=cuda"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: config key 'run.device' is 'cuda' but this machine has no CUDA GPU"), err
+    assert no_ray_started() and not (tmp_path / "run").exists()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_ray_address_is_one_line_within_seconds(tmp_path, capsys) -> None:
+    import socket
+    import time
+
+    port = _closed_port()
+    t0 = time.monotonic()
+    code, err, _ = train([f"--run.dir={tmp_path / 'run'}", f"--ray.address=127.0.0.1:{port}",
+                          "--ray.connect_timeout_s=1"], capsys)
+    assert time.monotonic() - t0 < 30
+    assert code == 2 and err[-1].startswith(f"error: ray.address '127.0.0.1:{port}': nothing answers there"), err
+    assert all(not line.startswith("error") for line in err[:-1]) and no_ray_started()
+    with pytest.raises(PreflightError, match=r"ray.address 'ray://127.0.0.1:\d+': nothing answers"):
+        preflight.check_ray_address(f"ray://127.0.0.1:{port}", 0.5)
+    with socket.socket() as server:  # something listens: the check passes at once (Ray's own errors are Ray's)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        preflight.check_ray_address(f"127.0.0.1:{server.getsockname()[1]}", 5)
+    preflight.check_ray_address("auto", 0.5)  # Ray finds a local cluster itself
+
+
+def test_sigterm_while_waiting_for_ray_exits_143_with_a_stopped_line(tmp_path) -> None:
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", DEMO, f"--run.dir={tmp_path / 'run'}",
+                             f"--ray.address=127.0.0.1:{_closed_port()}", "--ray.connect_timeout_s=120"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # blocks until the wait starts (bounded by the test's timeout)
+        assert "waiting for Ray at 127.0.0.1:" in line, line
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and time.monotonic() - t0 < 30
+    assert (out + err).strip().splitlines()[-1] == "stopped by SIGTERM before the run started: nothing was trained"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_local_ray_gets_its_auth_mode_before_ray_is_imported(tmp_path) -> None:
+    """`make demo` printed Ray's token warning on every run: `moerl train` imported Ray (for TrainerLost) before
+    it set RAY_AUTH_MODE, so Ray chose the mode itself and said so."""
+    code = f"""if True:
+        import os, sys
+        os.environ.pop("RAY_AUTH_MODE", None)
+        from moerl import run
+        seen = {{}}
+        def fake(cfg, **kw):
+            seen["mode"] = os.environ.get("RAY_AUTH_MODE")
+            raise SystemExit(0)
+        run.train = fake
+        try:
+            run.main([{DEMO!r}, "--run.dir={tmp_path / 'run'}"])
+        except SystemExit:
+            pass
+        assert seen == {{"mode": "token"}}, seen
+    """
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
