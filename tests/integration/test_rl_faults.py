@@ -236,15 +236,14 @@ def check_trained_once(run_dir: Path, result: dict, groups: list, steps: int) ->
 
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("transport", [pytest.param("broadcast", marks=pytest.mark.xfail(
-    reason="known intermittent crash re-forming the broadcast group (test_weight_sync_ray.py)", strict=False))])
+@pytest.mark.parametrize("transport", ["auto", "object_store", "broadcast"])
 def test_sigkill_worker_mid_run(tmp_path, ray_env, captured, transport):
     # One worker: the run can only finish through its replacement, so the replacement's start and first groups
-    # are part of every run (with two, a fast run could end before the replacement came up). Weights travel
-    # through the CPU twin of NCCL's broadcast (gloo; the other tests use the object store, and
-    # test_weight_sync_ray.py the shared transport): the kill breaks the group's collective, the trainer's send
-    # fails within its timeout on its own thread, training goes on, and the next publish forms a group with the
-    # replacement.
+    # are part of every run (with two, a fast run could end before the replacement came up). Every transport:
+    # auto (here the shared buffers' /dev/shm twin of CUDA IPC: the replacement maps the trainer's buffers anew),
+    # the object store, and gloo's twin of NCCL's broadcast, where the kill breaks the group's collective, the
+    # trainer's send fails within its timeout on its own thread, training goes on, and the next publish forms a
+    # group with the replacement.
     cfg = small_config(tmp_path, "--rollout.num_workers=1", f"--weights.transport={transport}",
                        "--weights.timeout_s=5", steps=30)
     striker = Striker(tmp_path, signal.SIGKILL)

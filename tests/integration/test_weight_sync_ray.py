@@ -50,13 +50,8 @@ def _start(pool, deadline_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-# broadcast: a known intermittent crash ("double free or corruption" in the trainer rank when a new generation
-# replaces the old gloo group; 1 of 5 CI runs); the transport is opt-in until it is fixed.
-_REFORM_CRASH = pytest.mark.xfail(reason="known intermittent crash re-forming the broadcast group", strict=False)
-
-
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport,ranks", [("shared", 2), pytest.param("broadcast", 2, marks=_REFORM_CRASH)])  # the object store: the other tests
+@pytest.mark.parametrize("transport,ranks", [("shared", 2), ("broadcast", 2)])  # the object store: the other tests
 def test_engines_equal_the_trainer_after_every_sync(local_ray, tmp_path, transport, ranks):
     from moerl.actors.pools import RayRolloutPool, RayTrainerGroup
     from moerl.actors.weight_sync.sync import RayWeightSync

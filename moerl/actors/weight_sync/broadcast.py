@@ -91,6 +91,7 @@ class BroadcastGroup:
         self._pg: _Backend | None = None
         self._last: Future[None] | None = None  # the latest broadcast submitted
         self._work: dist.Work | None = None  # its latest op: gloo's may run on after wait() timed out
+        self._closing: threading.Thread | None = None  # drops a group closed while busy (close, wait_closed)
         prefixed = dist.PrefixStore(f"{PREFIX}/{generation}", store)
         try:
             self._rendezvous(prefixed)
@@ -196,8 +197,11 @@ class BroadcastGroup:
                 self._work = pg.allreduce([ack], opts)
                 self._work.wait(timeout)
         except Exception as e:  # noqa: BLE001 - gloo: RuntimeError/DistError; NCCL: DistBackendError
+            # Neither this frame (kept alive by the exception's traceback, kept by self._failed) nor the op may hold
+            # the group: its destructor must run where close() drops it, never wherever the exception dies
+            pg = self._work = None
             self._failed = BroadcastFailed(self.generation, f"broadcast from rank {src}: {e}")
-            raise self._failed from e
+            raise self._failed from None
 
     # ------------------------------------------------------------------ end
     @property
@@ -207,7 +211,9 @@ class BroadcastGroup:
     def close(self) -> None:
         """Release the group without waiting: NCCL's communicator is aborted; broadcasts still queued fail at
         once. Dropping the group joins its threads: here when none is busy, else (a gloo op still in flight ends
-        within timeout_s) on a helper thread."""
+        within timeout_s) on a helper thread, which `wait_closed` joins. The group is destroyed in exactly one
+        place: an intermittent "double free" was seen once when a new generation formed while the old one's
+        last reference could die on any thread (an exception's traceback held it)."""
         with self._lock:
             pg, self._pg = self._pg, None
             if self._failed is None:
@@ -219,14 +225,21 @@ class BroadcastGroup:
         busy = (self._last is not None and not self._last.done()) or (self._work is not None and
                                                                       not self._work.is_completed())
         if busy:
-            threading.Thread(target=_drop, args=(pg, self._executor), name="moerl-bcast-close", daemon=True).start()
+            self._closing = threading.Thread(target=self._drop, args=(pg,), name="moerl-bcast-close", daemon=True)
+            self._closing.start()
         else:  # at once, and before this process may exit (exiting while a helper drops it can abort the process)
-            _drop(pg, self._executor)
+            self._drop(pg)
 
+    def wait_closed(self, timeout_s: float | None = None) -> None:
+        """Join the helper that drops a group closed while busy (bounded: its last op ends within timeout_s). Call
+        before forming the next generation, so that no two groups are built and destroyed at once."""
+        if self._closing is not None:
+            self._closing.join(timeout=3 * self.timeout_s if timeout_s is None else timeout_s)
 
-def _drop(pg: _Backend, executor: ThreadPoolExecutor) -> None:
-    executor.shutdown(wait=True)
-    del pg  # once the caller's reference goes too, ProcessGroupGloo's destructor joins its worker threads
+    def _drop(self, pg: _Backend) -> None:
+        self._executor.shutdown(wait=True)  # the op in flight ends (or times out) first
+        self._work = self._last = None
+        del pg  # the last reference: ProcessGroupGloo's destructor joins its worker threads here
 
 
 def _abort(pg: _Backend) -> None:

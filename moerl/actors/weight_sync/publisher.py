@@ -16,8 +16,9 @@ from moerl.train.trainer import PolicyTrainer
 
 class Publisher:
     def __init__(self, trainer: PolicyTrainer, expert_parallel: bool, bucket_bytes: int,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, host: str = "") -> None:
         self.trainer = trainer
+        self.host = host  # where the broadcast's rendezvous store listens; "" = this node's address
         blocks = trainer.model.moe_blocks
         offset = blocks[0].dispatcher.expert_offset if blocks and expert_parallel else None
         self.layouts: list[Layout] = plan(
@@ -32,6 +33,7 @@ class Publisher:
         self._sender: ThreadPoolExecutor | None = None  # forms groups and sends, so training never waits on it
         self._job: Future | None = None
         self._group = None  # (generation, BroadcastGroup)
+        self._retired = None  # a BroadcastGroup closed after a failed send, maybe still being dropped
         self._store = None
 
     def fill(self, buffers: list[torch.Tensor]) -> None:
@@ -81,14 +83,15 @@ class Publisher:
         failed = self._wait_send()
         if not self.layouts:  # this rank publishes nothing (a data-parallel rank > 0): no group to form
             return [], failed
+        host = self.host or node_address()
         if self._store is None:
-            self._store = host_store(node_address(), timeout_s=self.timeout_s)
+            self._store = host_store(host, timeout_s=self.timeout_s)
             self._sender = ThreadPoolExecutor(1, thread_name_prefix="moerl-broadcast")
             self._send = [torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device) for layout in self.layouts]
         self.fill(self._send)
         self._filled = (version, self._send)  # read (never written) by a catch-up's export while it is sent
         self._job = self._sender.submit(self._send_job, generation, world)
-        shard = BroadcastShard(node_address(), self._store.port, generation, world,
+        shard = BroadcastShard(host, self._store.port, generation, world,
                                tuple(self.layouts), self.timeout_s)
         return [shard], failed
 
@@ -99,6 +102,9 @@ class Publisher:
             if self._group is not None:
                 self._group[1].close()
             self._group = None
+            if self._retired is not None:  # the generation closed on a failure: wholly gone before the next forms
+                self._retired.wait_closed()
+                self._retired = None
             self._group = (generation, BroadcastGroup(self._store, generation, 0, world, self.device, self.timeout_s))
         self._group[1].broadcast(self._send, src=0)
 
@@ -113,7 +119,7 @@ class Publisher:
         except Exception as e:  # noqa: BLE001 - BroadcastFailed, or a formation that timed out
             if self._group is not None:
                 self._group[1].close()
-                self._group = None
+                self._retired, self._group = self._group[1], None
             return f"{type(e).__name__}: {e}"
 
     def export(self, version: int) -> list | None:

@@ -57,6 +57,7 @@ class Receiver:
             if held is None or held[0] != shard.generation:
                 if held is not None:
                     held[1].close()
+                    held[1].wait_closed()  # the old generation gone before the next forms
                 self._groups.pop(key, None)
                 store = connect_store(shard.host, shard.port, shard.timeout_s)
                 group = BroadcastGroup(store, shard.generation, shard.member, shard.world, self.device,
