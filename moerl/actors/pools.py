@@ -21,6 +21,7 @@ from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
 from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.loop.work_queue import WorkQueue
+from moerl.train.trainer import merge_rank_metrics
 from moerl.train.batching import split_by_tokens
 
 
@@ -106,13 +107,13 @@ class RayTrainerGroup:
         return len(ready) == len(refs)
 
     def result(self, refs: list, step) -> dict:
-        """Rank 0's metrics; a rank that does not answer within the collective timeout is named."""
+        """The step's metrics over every rank; a rank that does not answer within the collective timeout is named."""
         ready, missing = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         if missing:
             late = [i for i, ref in enumerate(refs) if ref in missing]
             raise TimeoutError(f"trainer step {step}: rank(s) {late} did not finish within {self.timeout_s:.0f} s "
                                "(straggler or hang; the others wait in a collective)")
-        return self.get(refs, f"trainer step {step}")[0]
+        return merge_rank_metrics(self.get(refs, f"trainer step {step}"))
 
 
 @dataclass

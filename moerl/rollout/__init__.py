@@ -1,4 +1,4 @@
-"""The rollout engine: continuous batching, slab KV cache, sampling, log-probs and routing capture."""
+"""The rollout engine: continuous batching, paged KV cache with prefix sharing, sampling, log-probs and routing capture."""
 
 from moerl.rollout.async_engine import AsyncEngine
 from moerl.rollout.engine import Engine, EngineConfig

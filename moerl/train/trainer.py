@@ -100,7 +100,7 @@ class PolicyTrainer:
         """Supervised warm start: token-mean cross-entropy of the completion tokens."""
         def loss_fn(batch: PackedBatch, out, tokens: int, seqs: int, n_micro: int):
             loss = -(batch.to_grid(out.logprobs_1T) * batch.mask_SP).sum() / max(tokens, 1)
-            return loss, {"loss/sft": float(loss.detach()) * self.world, "tokens": float(batch.mask_SP.sum())}
+            return loss, {"loss/sft": float(loss.detach()), "tokens": float(batch.mask_SP.sum())}  # summed over ranks
         return self._step(samples, loss_fn, replay=False, with_entropy=False, temperature=1.0)
 
     def _step(self, samples: list[Sample], loss_fn: Callable, replay: bool, with_entropy: bool,
@@ -190,6 +190,8 @@ class PolicyTrainer:
                 block.gate.update_expert_bias(layer_counts, self.expert_bias_rate)
         self.steps_done += 1
         metrics.update(probe.result())
+        # "tokens" becomes the step's global count; this rank's own weighs its means in merge_rank_metrics
+        metrics["rank_tokens"] = metrics.get("tokens", 0.0)
         metrics.update({"lr": self.scheduler.get_last_lr()[0], "tokens": tokens})
         metrics["expert_counts"] = counts.tolist()
         return metrics
@@ -279,6 +281,35 @@ def _merge(acc: dict[str, float], new: dict[str, float]) -> None:
             acc[key] = min(acc[key], value)
         else:
             acc[key] = (acc[key] * w_old + value * w_new) / max(w_old + w_new, 1.0)
+
+
+_SAME_ON_EVERY_RANK = ("tokens", "grad_norm", "lr", "expert_counts")  # all-reduced or shared
+_SUM_OVER_RANKS = ("loss/policy", "loss/pg", "loss/sft", "sequences", "is/masked_tokens")  # normalised by global counts
+
+
+def merge_rank_metrics(per_rank: list[dict]) -> dict:
+    """One step's metrics from every trainer rank's: losses normalised by the global counts and counts add up;
+    extremes and step times (the step waits for its slowest rank) take the extreme; the rest are this rank's
+    means, weighted by its tokens. (Rank 0's alone described a share of the batch.)"""
+    weights = [float(m.get("rank_tokens", 0.0)) for m in per_rank]
+    total = sum(weights)
+    out: dict = {}
+    for key, first in per_rank[0].items():
+        if key == "rank_tokens":
+            continue
+        values = [m[key] for m in per_rank if key in m]
+        if key in _SAME_ON_EVERY_RANK or not isinstance(first, (int, float)) or len(values) != len(per_rank):
+            out[key] = first
+        elif key.startswith(_SUM_OVER_RANKS):
+            out[key] = sum(values)
+        elif key.endswith("_max") or key.startswith("time/"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            out[key] = (sum(v * w for v, w in zip(values, weights)) / total if total > 0
+                        else sum(values) / len(values))
+    return out
 
 
 class _ChangeProbe:

@@ -20,7 +20,7 @@ from moerl.model import build_model, tiny_config
 from moerl.train.loss import LossConfig
 from moerl.train.batching import split_by_tokens
 from moerl.train.parallel import trainer_groups
-from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample
+from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample, merge_rank_metrics
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = [("fsdp", True), ("fsdp", False), ("replicate", True), ("replicate", False)]
@@ -58,12 +58,17 @@ def step_samples(step: int) -> list[Sample]:
     return out
 
 
-def run_steps(trainer: PolicyTrainer, rank: int, world: int) -> list[float]:
-    norms = []
+def run_steps(trainer: PolicyTrainer, rank: int, world: int) -> list[dict]:
+    metrics = []
     for step in range(STEPS):
         share = split_by_tokens(step_samples(step), world)[rank]  # RayTrainerGroup.shard's split
-        norms.append(trainer.rl_step(share)["grad_norm"])
-    return norms
+        metrics.append(trainer.rl_step(share))
+    return metrics
+
+
+# what the merged metrics of W ranks must equal in one process on the whole batch (sums, extremes, token means)
+MERGED_KEYS = ("loss/policy", "loss/pg", "tokens", "sequences", "is/behaviour_kl", "is/weight_mean", "is/weight_max",
+               "is/weight_min", "policy/entropy", "policy/ratio_mean")
 
 
 def layouts(world: int) -> list:
@@ -79,21 +84,30 @@ def layouts_worker(rank: int, world: int, out_dir: str) -> None:
         if ep is True:  # each expert slice on one rank only: its FSDP unit spans that one rank
             assert all(p.device_mesh.size() == 1 for n, p in trainer.model.named_parameters()
                        if ".experts." in n and isinstance(p, DTensor))
-        norms = run_steps(trainer, rank, world)
-        torch.save({"norms": norms, "state": trainer.publish_state()}, Path(out_dir) / f"{layout}-{ep}-rank{rank}.pt")
+        metrics = run_steps(trainer, rank, world)
+        torch.save({"metrics": [{k: v for k, v in m.items() if k in MERGED_KEYS or k in ("grad_norm", "rank_tokens")}
+                                for m in metrics], "state": trainer.publish_state()},
+                   Path(out_dir) / f"{layout}-{ep}-rank{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_layout_steps_like_one_process(world, tmp_path):
     run_ranks(world, layouts_worker, str(tmp_path), timeout=240)
     ref = make()
-    ref_norms = run_steps(ref, 0, 1)
+    ref_metrics = run_steps(ref, 0, 1)
+    ref_norms = [m["grad_norm"] for m in ref_metrics]
     want = ref.publish_state()
     E = ref.model.config.num_experts
     for layout, ep in layouts(world):
         got = [torch.load(tmp_path / f"{layout}-{ep}-rank{r}.pt") for r in range(world)]
         what = f"{world} ranks, {layout}, ep={ep}"
-        torch.testing.assert_close(got[0]["norms"], ref_norms, rtol=1e-5, atol=0, msg=lambda m: f"{what} grad norm: {m}")
+        torch.testing.assert_close([m["grad_norm"] for m in got[0]["metrics"]], ref_norms, rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{what} grad norm: {m}")
+        for step, ref_m in enumerate(ref_metrics):  # the pool's merge of every rank's metrics = the whole batch's
+            merged = merge_rank_metrics([got[r]["metrics"][step] for r in range(world)])
+            for key in MERGED_KEYS:
+                torch.testing.assert_close(float(merged[key]), float(ref_m[key]), rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"{what} step {step} {key}: {m}")
         ep_size = world if ep is True else int(ep)
         for name, w in want.items():
             if ep and ".experts." in name:  # EP rank e holds experts [e E/P, (e+1) E/P); the first replica sends
