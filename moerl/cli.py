@@ -151,16 +151,44 @@ def _export(argv: list[str]) -> int:
         what = "is not empty" if out_dir.is_dir() else "is a file"
         print(f"error: {args.out_dir} {what}: choose another OUT_DIR, or --force to write into it", file=sys.stderr)
         return 2
-    from moerl.checkpoint import CheckpointError, export_policy
+    from moerl.checkpoint import CheckpointError, CheckpointStore, export_policy, export_step
 
     try:  # every storage call within --timeout; a line per stage, so a slow store is seen to be working
-        out = export_policy(args.checkpoint_dir, args.out_dir, args.step, dtype=args.dtype, source=args.source,
+        store = CheckpointStore(args.checkpoint_dir, args.timeout)
+        step = export_step(store, args.step)
+        print(f"export: step {step}, " + ("the newest committed step" if args.step is None else "as asked")
+              + f" under {args.checkpoint_dir}", flush=True)
+        for warning in _export_warnings(store, step):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        out = export_policy(args.checkpoint_dir, args.out_dir, step, dtype=args.dtype, source=args.source,
                             timeout_s=args.timeout, progress=lambda text: print(f"export: {text}", flush=True))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    print(f"exported step {step} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
+
+
+def _export_warnings(store, step: int) -> list[str]:
+    """Why `step` may not be the policy the run ended with (a run that reached step 600 exported step 168
+    without a word): newer steps whose save did not finish, and a run directory (the checkpoints' parent, the
+    default layout) that logged later steps."""
+    from pathlib import Path
+
+    from moerl.preflight import last_logged_step
+
+    out = []
+    newer = [s for s in store.step_dirs() if s > step]
+    if newer:
+        out.append(f"step {step} is not the newest step under {store.root}: step {newer[-1]}'s save did not finish "
+                   "(it was never committed)")
+    if "://" not in store.root:
+        run_dir = Path(store.root).parent
+        last = last_logged_step(run_dir)
+        if last > step:
+            out.append(f"step {step} is not the run's last: it logged steps up to {last} in "
+                       f"{run_dir / 'metrics.jsonl'}, after its newest checkpoint")
+    return out
 
 
 def _train(argv: list[str]) -> int:

@@ -230,7 +230,8 @@ class TaskConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # local path or s3://bucket/prefix; empty = <run.dir>/checkpoints
-    every: int = 0  # save every N optimizer steps; 0 = no periodic saves
+    every: int = 0  # save every N optimizer steps; 0 = no periodic saves (the last step and a stop always save)
+    hf_export: bool = False  # also write every saved step as a Hugging Face directory, <run.dir>/hf/step-NNNNNNNN
     keep: int = 3  # how many most recent checkpoints to keep
     timeout_s: float = 1800.0  # one save (the trainer's upload included) may take this long before it counts as failed
     max_failures: int = 3  # consecutive failed saves that end the run (a failed save is retried at the next interval)

@@ -30,6 +30,7 @@ from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.preflight import PreflightError, one_line
 from moerl.redact import redact, redact_config
+from moerl.resume import saved_config
 from moerl.run_dir import RunLock
 from moerl.rollout import EngineConfig, SamplingParams
 from moerl.tasks.base import Task, stop_token_ids
@@ -329,7 +330,9 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                                 dtype=cfg.model.dtype, timeout_s=cfg.checkpoint.timeout_s,
                                 max_failures=cfg.checkpoint.max_failures,
                                 serving_files=serving_files(cfg.model.path, getattr(task.tokenizer, "directory", None)),
-                                storage_timeout_s=cfg.checkpoint.storage_timeout_s)
+                                storage_timeout_s=cfg.checkpoint.storage_timeout_s,
+                                hf_export=str(run_dir / "hf") if cfg.checkpoint.hf_export else None,
+                                config=saved_config(cfg))
     resuming = prepared.resume_step is not None
     if cfg.run.deterministic:
         cfg.train.mode = "sync"  # deterministic = sync, fixed seeds, batches in task order (docs/checkpoints.md)

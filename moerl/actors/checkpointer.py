@@ -6,6 +6,8 @@
                  goes on); a job in a daemon thread then waits for the uploads, writes the controller's state,
                  the architecture and the serving files, checks that the trainer's files hold every byte their
                  metadata names, writes the COMMIT marker, then `latest`, then prunes to the newest `keep`.
+                 With `hf_export`, the job then writes the committed policy as a Hugging Face directory,
+                 `<hf_export>/step-NNNNNNNN` (moerl export's path: read back, verified), keeping the newest `keep`.
     poll():      reports a finished job (committed, or failed); never blocks.
     restore():   a committed step: trainer state into every rank, controller state returned.
 
@@ -30,8 +32,8 @@ from moerl.checkpoint import (
     CONTROLLER_FILE, SERVING_DIR, TRAINER_DIR, CheckpointStore, decode_controller_state, encode_controller_state,
 )
 from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
-from moerl.checkpoint.export import ARCH_FILE, arch_bytes
-from moerl.checkpoint.storage import StepTarget
+from moerl.checkpoint.export import ARCH_FILE, arch_bytes, export_policy
+from moerl.checkpoint.storage import StepTarget, step_name
 from moerl.checkpoint.untrusted import load_error
 from moerl.loop.types import STATE_CLASSES
 from moerl.model.config import CheckpointError, MoEModelConfig
@@ -42,7 +44,8 @@ class Checkpointer:
                  dtype: str | None = None, timeout_s: float = 1800.0, max_failures: int = 3,
                  serving_files: dict[str, bytes] | None = None,
                  on_event: Callable[[str, str], None] | None = None,
-                 storage_timeout_s: float = STORAGE_TIMEOUT_S) -> None:
+                 storage_timeout_s: float = STORAGE_TIMEOUT_S, hf_export: str | None = None,
+                 config: dict | None = None) -> None:
         self.store = CheckpointStore(root, timeout_s=storage_timeout_s)  # no storage call here: the root may not answer
         self.keep, self.arch, self.fingerprint = keep, arch, fingerprint
         self.dtype = dtype  # the run's compute dtype, recorded for `moerl export`
@@ -54,6 +57,9 @@ class Checkpointer:
         self.failed_total = 0
         self.committed: int | None = None  # the newest step this run committed or resumed from
         self.on_event = on_event
+        self.hf_export = hf_export  # a local directory: every committed step also exported there (HF format)
+        self.config = config  # the run's config (secrets masked), in every manifest: --resume compares it
+        self._export_note: tuple[str, str] | None = None  # the export's outcome, said by wait() on the loop's thread
 
     def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
         """Start saving `step`. A save that fails is counted and training goes on (the next interval tries
@@ -71,21 +77,43 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - storage faults: named, counted, training goes on
             self._failed(step, e)
             return
-        self.pending = (step, _in_background(lambda: self._finish(step, blobs, refs)))
+        samples = controller_state.get("counters", {}).get("samples_trained")  # said by --resume
+        self.pending = (step, _in_background(lambda: self._finish(step, blobs, refs, samples)))
         if not self.use_async:
             self.wait()
 
-    def _finish(self, step: int, blobs: dict[str, bytes], refs: list) -> int:
+    def _finish(self, step: int, blobs: dict[str, bytes], refs: list, samples: int | None = None) -> int:
         """The job (its own thread): the uploads, then this process's files, the commit and the pruning."""
         # each rank hashed its files while writing them: the manifest takes those, never a re-read
         ranks = ray.get(refs, timeout=self.timeout_s) if refs else []
         for name, data in blobs.items():  # after the uploads: rank 0 cleared the step directory before them
             self.store.write_bytes(step, name, data)
         sums = {f"{TRAINER_DIR}/{name}": crc for rank in ranks for name, crc in rank.items()}
-        self.store.commit(step, {"fingerprint": self.fingerprint}, checksums=sums)
+        extra = {"fingerprint": self.fingerprint, "trained": {"samples": samples}}
+        if self.config is not None:
+            extra["config"] = self.config
+        self.store.commit(step, extra, checksums=sums)
         self.committed = step  # at once: a run that fails before the next poll still names it
         self.store.prune(self.keep)
+        if self.hf_export:
+            self._export(step)
         return step
+
+    def _export(self, step: int) -> None:
+        """The committed step as a Hugging Face directory; a failure is a warning (the checkpoint stands)."""
+        from pathlib import Path
+
+        out = Path(self.hf_export) / step_name(step)
+        try:
+            if out.exists():  # a step saved again after a resume: the older export of it goes
+                shutil.rmtree(out)
+            export_policy(self.store.root, str(out), step, dtype=self.dtype, timeout_s=self.store.timeout_s)
+            for old in sorted(p for p in Path(self.hf_export).glob("step-*") if p.is_dir())[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            self._export_note = ("checkpoint", f"checkpoint step {step} exported (Hugging Face) to {out}")
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; only its export failed
+            self._export_note = ("warning", f"checkpoint step {step} was saved but its Hugging Face export to {out} "
+                                 f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def _failed(self, step: int, error: BaseException) -> None:
         self.failures += 1
@@ -128,6 +156,12 @@ class Checkpointer:
         self.committed = step
         if self.on_event is not None:
             self.on_event("checkpoint", f"checkpoint step {step} saved to {self.store.step_path(step)}")
+        note, self._export_note = self._export_note, None
+        if note is not None:
+            if self.on_event is not None:
+                self.on_event(*note)
+            else:
+                print(f"warning: {note[1]}" if note[0] == "warning" else note[1], flush=True)
         return step
 
     def latest(self) -> int | None:

@@ -11,7 +11,7 @@
 
 from moerl.checkpoint.controller_state import decode_controller_state, encode_controller_state
 from moerl.checkpoint.export import (
-    ARCH_FILE, SERVING_DIR, TRAINER_DIR, export_policy, read_arch, serving_files, write_arch,
+    ARCH_FILE, SERVING_DIR, TRAINER_DIR, export_policy, export_step, read_arch, serving_files, write_arch,
 )
 from moerl.checkpoint.storage import CheckpointStore, step_name
 from moerl.checkpoint.trainer_state import (
@@ -23,6 +23,6 @@ CONTROLLER_FILE = "controller.pt"
 
 __all__ = [
     "ARCH_FILE", "CONTROLLER_FILE", "SERVING_DIR", "TRAINER_DIR", "CheckpointError", "CheckpointStore",
-    "decode_controller_state", "encode_controller_state", "export_policy", "load_trainer_state", "load_trainer_state_dict", "read_arch",
+    "decode_controller_state", "encode_controller_state", "export_policy", "export_step", "load_trainer_state", "load_trainer_state_dict", "read_arch",
     "save_trainer_state", "serving_files", "step_name", "trainer_state_dict", "write_arch",
 ]

@@ -108,6 +108,22 @@ def gather_model_state(trainer_path: str, timeout_s: float = STORAGE_TIMEOUT_S) 
     return out
 
 
+def export_step(store: CheckpointStore, step: int | None = None) -> int:
+    """The step an export writes: `step`, else the newest committed one. A newest step that is torn is refused,
+    naming the intact one to pass as `step`, rather than exporting an older policy unasked."""
+    if step is not None:
+        return step
+    step = store.latest_step()
+    torn = store.torn_steps(step)
+    if torn:
+        raise CheckpointError(f"{store.root}: checkpoint step {torn[0][0]} is torn ({torn[0][1]}); "
+                              + (f"the newest intact step is {step}: export it with --step {step}"
+                                 if step is not None else "no older step is committed"))
+    if step is None:
+        raise CheckpointError(f"{store.root}: no committed checkpoint to export")
+    return step
+
+
 def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, dtype: str | None = None,
                   source: str | None = None, timeout_s: float = STORAGE_TIMEOUT_S,
                   progress: Callable[[str], None] = lambda text: None) -> Path:
@@ -122,15 +138,7 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, d
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"export dtype must be one of {list(EXPORT_DTYPES)}, got {dtype!r}")
     store = CheckpointStore(checkpoint_root, timeout_s)
-    if step is None:
-        step = store.latest_step()
-        torn = store.torn_steps(step)
-        if torn:
-            raise CheckpointError(f"{checkpoint_root}: checkpoint step {torn[0][0]} is torn ({torn[0][1]}); "
-                                  + (f"the newest intact step is {step}: export it with --step {step}"
-                                     if step is not None else "no older step is committed"))
-        if step is None:
-            raise CheckpointError(f"{checkpoint_root}: no committed checkpoint to export")
+    step = export_step(store, step)
     progress(f"verifying {store.step_path(step)}")
     manifest = store.verify(step, progress)  # a partial or corrupted step names its files here, not exporting garbage
     files = manifest["files"]

@@ -42,7 +42,7 @@ class LoopConfig:
     max_inflight_per_worker: int
     poll_s: float = 0.05
     deterministic: bool = False  # batches in task-id order, so the optimizer sees the same sample order
-    checkpoint_every: int = 0  # save every N steps (with a Checkpoints part); 0 = only on a graceful stop
+    checkpoint_every: int = 0  # save every N steps (with a Checkpoints part); the last step and a stop always
     time_limit_s: float = 0.0  # end (as a graceful stop: in-flight work kept, saved) after this much RL; 0 = none
 
 
@@ -266,8 +266,9 @@ class Controller:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_due(self) -> bool:
-        return (self.checkpoints is not None and self.cfg.checkpoint_every > 0
-                and self.state.step % self.cfg.checkpoint_every == 0)
+        """Every checkpoint_every steps, and the last step always: a finished run keeps its policy."""
+        return self.checkpoints is not None and (self.state.step >= self.cfg.steps or (
+            self.cfg.checkpoint_every > 0 and self.state.step % self.cfg.checkpoint_every == 0))
 
     def state_dict(self) -> dict:
         """Everything the controller owns, in-flight work included (leases become pending on load)."""
