@@ -1,12 +1,17 @@
-"""`moerl bench loop`: the whole RL loop, async and sync, against its own rollout engine running alone.
+"""`moerl bench loop`: the whole RL loop, async and sync, against its own rollout engine fed continuously alone.
 
     moerl bench loop                        # the shape for the device found: GPU (1.65B MoE, bf16) or the CPU demo
     moerl bench loop --shape cpu --steps 150 --repeats 3
 
-Each mode is a full `moerl train` on a local Ray. Throughput = samples trained / wall time of the RL phase.
-The loop's ceiling is its rollout: the same engine configuration generating the same groups with nothing else
-running ("engine alone", in this process on the same device), so loop efficiency = async samples/s / engine-alone
-samples/s. The per-phase lines split the async run's step time (moerl/loop/phases.py), averaged over its steps.
+Each mode is a full `moerl train` on a local Ray. Rates count the steps after the first 20% (start-up, CUDA
+graph captures and the first publish stay out of every rate): samples trained / wall time of those steps.
+Three runs: sync (a batch of `batch_groups` groups in flight, its best), async at its best (as many groups in
+flight as its staleness bound and `rollout.max_inflight_groups` allow), and async at sync's concurrency (at most
+`batch_groups` groups in flight), so async's gain is told apart from having more sequences in flight.
+The ceiling is the rollout alone: the same engine configuration on the same kind of prompts in this process,
+fed continuously (a new request the moment one finishes) at the async loop's concurrency for the async run's
+measured wall window, so loop efficiency = async samples/s / that ceiling and cannot pass 1 by the engine alone
+tailing off at the end of a batch. The per-phase lines split the async run's step time (moerl/loop/phases.py).
 """
 
 from __future__ import annotations
@@ -42,19 +47,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _overrides(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> list[str]:
+def _overrides(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
     steps = args.steps or (30 if gpu else 200)
     return (GPU_SHAPE if gpu else CPU_SHAPE) + [f"--train.mode={mode}", f"--train.steps={steps}",
-                                                f"--run.dir={run_dir}"] + [f"--{kv.removeprefix('--')}" for kv in args.set]
+                                                f"--run.dir={run_dir}"] + [f"--{kv.removeprefix('--')}" for kv in args.set] + list(extra)
 
 
-def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> dict:
+def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     from moerl.config import load_config
     from moerl.run import train
 
-    train(load_config(args.config, _overrides(args, gpu, mode, run_dir)))
+    cfg = load_config(args.config, _overrides(args, gpu, mode, run_dir, extra))
+    train(cfg)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rl = [r for r in rows if r["step"] > 0][1:]  # the first step carries the start-up
+    steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]
+    rl = steps[max(1, len(steps) // 5):]  # start-up stays out of every rate
     samples = sum(r.get("samples", 0) for r in rl)
     tokens = sum(r.get("samples", 0) * r.get("length/mean", 0) for r in rl)
     wall = sum(r.get("time/step_s", 0.0) for r in rl)
@@ -63,7 +70,8 @@ def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path) -> d
              for k in ("fwd_bwd", "optimizer", "generate", "apply", "publish", "transfer", "step")}
     tail = rl[-max(1, len(rl) // 5):]
     kl = sorted(r.get("is/behaviour_kl", 0.0) for r in rl) or [0.0]
-    return {"kl_max": kl[-1], "kl_median": kl[len(kl) // 2], "samples_per_s": samples / max(wall, 1e-9), "tokens_per_s": tokens / max(wall, 1e-9),
+    return {"kl_max": kl[-1], "kl_median": kl[len(kl) // 2], "samples_per_s": samples / max(wall, 1e-9),
+            "tokens_per_s": tokens / max(wall, 1e-9), "wall_s": wall, "inflight_groups": _concurrency(cfg),
             "reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail), "phases": phases, "inner": inner,
             "stale_dropped": rows[-1].get("count/stale_dropped", 0), "groups": rows[-1].get("count/groups_done", 0)}
 
@@ -80,8 +88,17 @@ def kl_verdict(worst: dict[str, float], bound: float | None = None) -> str:
             + ": the samples were drawn by another policy than the trainer's (see moerl/runlog/mismatch.py)")
 
 
-def engine_alone(args: argparse.Namespace, gpu: bool, batches: int = 3) -> dict:
-    """The rollout's ceiling: the run's engine and sampling on the run's prompts, nothing else running."""
+def _concurrency(cfg) -> int:
+    """Groups the loop keeps in flight at most: sync leases one batch per version, async up to its staleness bound,
+    each capped by what the workers take (rollout.max_inflight_groups per worker)."""
+    t, workers = cfg.train, cfg.rollout.num_workers * cfg.rollout.inflight_groups()
+    gate = t.batch_groups if t.mode == "sync" else (t.max_staleness + 1) * t.batch_groups
+    return min(gate, workers)
+
+
+def engine_alone(args: argparse.Namespace, gpu: bool, inflight_groups: int, seconds: float) -> dict:
+    """The rollout's ceiling: the run's engine and sampling, nothing else running, fed continuously with
+    `inflight_groups` groups in flight (a new request as soon as one finishes) for `seconds` after a warm-up."""
     import dataclasses
 
     import torch
@@ -98,21 +115,40 @@ def engine_alone(args: argparse.Namespace, gpu: bool, batches: int = 3) -> dict:
     spec, _ = _specs(cfg, arch, task)
     model = build_model(arch, dtype=getattr(torch, spec.dtype), device=spec.device, seed=0)
     engine = Engine(model, spec.engine)
-    n, G = cfg.rollout.inflight_groups(), cfg.rollout.group_size
+    torch.set_num_threads(cfg.rollout.threads)  # as a rollout worker runs it (its own process, rollout.threads)
+    G = cfg.rollout.group_size
+    submitted = 0
 
-    def batch(seed: int) -> list:
-        # New prompts per batch, as the loop leases them: the same ones again would hit the engine's prefix cache.
-        prompts = [task.prompt_at(seed * n + i).prompt_token_ids for i in range(n)]
-        params = [dataclasses.replace(spec.sampling, seed=seed * 100_000 + i) for i in range(n * G)]
-        return engine.generate([p for p in prompts for _ in range(G)], params)
-    batch(0)  # warm-up: CUDA graphs, kernels
-    t0, samples, tokens = time.perf_counter(), 0, 0
-    for b in range(1, batches + 1):
-        done = batch(b)
-        samples += len(done)
-        tokens += sum(len(c.token_ids) for c in done)
-    seconds = time.perf_counter() - t0
-    return {"samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds}
+    def submit() -> None:  # one request; a new prompt every G (new prompts, as the loop leases: no stale prefix hits)
+        nonlocal submitted
+        prompt = task.prompt_at(submitted // G).prompt_token_ids
+        engine.submit(prompt, dataclasses.replace(spec.sampling, seed=submitted))
+        submitted += 1
+
+    for _ in range(inflight_groups * G):
+        submit()
+
+    def run(window: float) -> tuple[int, int, float]:
+        t0, samples, tokens = time.perf_counter(), 0, 0
+        while time.perf_counter() - t0 < window:
+            for out in engine.step():
+                if out.completion is not None:
+                    samples += 1
+                    tokens += len(out.completion.token_ids)
+                    submit()
+        return samples, tokens, time.perf_counter() - t0
+    run(min(10.0, seconds / 4))  # warm-up: CUDA graphs, kernels, the first requests' prefill
+    samples, tokens, wall = run(seconds)
+    return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "seconds": wall,
+            "inflight_groups": inflight_groups}
+
+
+def _sync_groups(args: argparse.Namespace, gpu: bool, base: Path) -> int:
+    """Groups sync mode keeps in flight (one batch) per worker: async capped to it runs at sync's concurrency."""
+    from moerl.config import load_config
+
+    cfg = load_config(args.config, _overrides(args, gpu, "sync", base / "unused"))
+    return max(1, -(-_concurrency(cfg) // cfg.rollout.num_workers))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,18 +158,25 @@ def main(argv: list[str] | None = None) -> int:
     gpu = args.shape == "gpu" or (args.shape == "auto" and torch.cuda.is_available())
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="moerl-bench-loop-"))
     print(f"bench loop: {'GPU 1.65B bf16' if gpu else 'CPU demo'} shape, {args.config}; runs in {base}", flush=True)
-    alone = engine_alone(args, gpu)
-    print(f"engine alone: {alone['samples_per_s']:.1f} samples/s, {alone['tokens_per_s']:.0f} tok/s", flush=True)
-    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    sync_batch = f"--rollout.max_inflight_groups={_sync_groups(args, gpu, base)}"
+    plans = {"sync": ("sync", ()), "async": ("async", ()), "async@sync": ("async", (sync_batch,))}
+    runs: dict[str, list[dict]] = {name: [] for name in plans}
     for i in range(max(1, args.repeats)):
-        for mode in ("sync", "async"):
-            runs[mode].append(run_loop(args, gpu, mode, base / f"{mode}-{i}"))
-            r = runs[mode][-1]
-            print(f"{mode:5}: {r['samples_per_s']:.1f} samples/s, reward {r['reward']:.3f}, "
-                  f"{r['stale_dropped']:.0f} of {r['groups']:.0f} finished groups dropped as stale", flush=True)
-    sync, asyn = (sorted(runs[m], key=lambda r: r["samples_per_s"])[len(runs[m]) // 2] for m in ("sync", "async"))
-    rows = [Row("throughput (async vs sync)", asyn["samples_per_s"], sync["samples_per_s"], "samples/s"),
-            Row("tokens generated and trained", asyn["tokens_per_s"], sync["tokens_per_s"], "tok/s"),
+        for name, (mode, extra) in plans.items():
+            runs[name].append(run_loop(args, gpu, mode, base / f"{name}-{i}", extra))
+            r = runs[name][-1]
+            print(f"{name:10}: {r['samples_per_s']:.1f} samples/s with up to {r['inflight_groups']} groups in flight, "
+                  f"reward {r['reward']:.3f}, {r['stale_dropped']:.0f} of {r['groups']:.0f} finished groups "
+                  "dropped as stale", flush=True)
+    sync, asyn, equal = (sorted(runs[m], key=lambda r: r["samples_per_s"])[len(runs[m]) // 2]
+                         for m in ("sync", "async", "async@sync"))
+    alone = engine_alone(args, gpu, asyn["inflight_groups"], max(5.0, asyn["wall_s"]))
+    print(f"engine alone, fed continuously at {alone['inflight_groups']} groups for {alone['seconds']:.0f} s: "
+          f"{alone['samples_per_s']:.1f} samples/s, {alone['tokens_per_s']:.0f} tok/s", flush=True)
+    rows = [Row("throughput, each mode at its best", asyn["samples_per_s"], sync["samples_per_s"], "samples/s"),
+            Row("throughput, equal concurrency (async at sync's)", equal["samples_per_s"], sync["samples_per_s"],
+                "samples/s"),
+            Row("tokens generated and trained (best)", asyn["tokens_per_s"], sync["tokens_per_s"], "tok/s"),
             Row("loop efficiency (async / engine alone)", asyn["samples_per_s"], alone["samples_per_s"],
                 "samples/s", ceiling=alone["samples_per_s"]),
             Row("reward, last 20% of steps", asyn["reward"], sync["reward"], ""),
@@ -142,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             Row("behaviour KL per token, worst step", asyn["kl_max"], sync["kl_max"], "nats", higher_is_better=False)]
     print(format_table("\nthe RL loop (peer column: sync mode; efficiency row: the engine alone)", rows,
                        peer_name="sync / alone"))
-    print(kl_verdict({"async": asyn["kl_max"], "sync": sync["kl_max"]}))
+    print(kl_verdict({"async": asyn["kl_max"], "sync": sync["kl_max"], "async@sync": equal["kl_max"]}))
     for name, r in (("async", asyn), ("sync", sync)):
         shares = " ".join(f"{p} {100 * f:.0f}%" for p, f in r["phases"].items())
         inner = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r["inner"].items())
