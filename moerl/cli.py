@@ -57,7 +57,8 @@ def _overrides(parser: argparse.ArgumentParser, extra: list[str]) -> list[str]:
 def train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moerl train", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="moerl train CONFIG.toml [--resume | --resume-step N] [--section.key=value ...]",
+        usage="moerl train CONFIG.toml [--resume | --resume-step N] [--resume-override KEY ...] "
+              "[--section.key=value ...]",
         description=textwrap.fill(
             "Run the asynchronous RL job of CONFIG (a local Ray unless ray.address is set). Inputs are checked "
             "before Ray starts; a run directory that holds a run is never overwritten (--resume continues it). "
@@ -66,6 +67,9 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
     parser.add_argument("--resume-step", type=int, metavar="N", help="continue from committed checkpoint step N")
+    parser.add_argument("--resume-override", action="append", default=[], metavar="KEY",
+                        help="with --resume: accept a changed config KEY (or section) that changes the experiment "
+                        "(model, task, group size, loss, optimizer, ...); repeatable")
     parser.add_argument("--resume-if-saved", action="store_true",
                         help="continue from the newest committed checkpoint when there is one, else start the run "
                         "(what a restarted job wants: `moerl launch`'s trainer passes it)")

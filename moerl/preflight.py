@@ -75,7 +75,12 @@ def check_no_run(run_dir: Path, store: CheckpointStore) -> None:
     if steps:
         held.append(f"checkpoints under {store.root} up to step {steps[-1]}")
     if held:
-        how = "continue it with --resume, or" if steps else "it has no checkpoint to continue from, so"
+        # --resume must be able to do what this says (a save cut short by a crash or a second Ctrl-C has a step
+        # directory but no COMMIT: --resume refuses it, so this may not send the user there)
+        committed = store.committed_steps() if steps else []
+        how = ("continue it with --resume, or" if committed else
+               f"it has no committed checkpoint to continue from (step {steps[-1]}'s save did not finish), so"
+               if steps else "it has no checkpoint to continue from, so")
         raise PreflightError(f"run.dir {str(run_dir)!r} holds a run ({', '.join(held)}) and a run is never "
                              f"overwritten: {how} start a new one with --run.dir=<another directory> "
                              "(or delete that one)")
@@ -232,7 +237,7 @@ def check_ray_address(address: str, timeout_s: float, say: Callable[[str], None]
 
 # ------------------------------------------------------------------------------------------ resume
 def check_resume(store: CheckpointStore, fingerprint: dict[str, Any], *, every: int,
-                 step: int | None = None) -> int:
+                 step: int | None = None, run_dir: Path | None = None) -> int:
     """The step to resume from: `step`, else the newest committed one; it must verify (sizes, checksums) and
     have been written with this `fingerprint`. A torn one names the newest older step that verifies. Without
     `step`, a newer step whose COMMIT was lost or damaged is torn too: falling back to an older step unasked
@@ -256,8 +261,11 @@ def check_resume(store: CheckpointStore, fingerprint: dict[str, Any], *, every: 
         raise PreflightError(
             f"--resume: no committed checkpoint under {store.root}"
             + (f" (step {uncommitted[-1]} was never committed: its save did not finish)" if uncommitted else "")
-            + ("; checkpoint.every is 0, so a run saves only when it is stopped (SIGTERM or Ctrl-C)" if every == 0
-               else "") + ": start without --resume")
+            + ("; checkpoint.every is 0, so a run saves only at its last step or when it is stopped (SIGTERM or "
+               "Ctrl-C)" if every == 0 else "")
+            # the plain command refuses a run directory that holds a run: say what works (check_no_run agrees)
+            + (": nothing to resume; start a new run with --run.dir=<another directory> (or delete that one)"
+               if uncommitted or (run_dir is not None and last_logged_step(run_dir)) else ": start without --resume"))
     chosen = step if step is not None else store.latest_step()
     assert chosen is not None
     try:

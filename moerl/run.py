@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,9 @@ from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.preflight import PreflightError, one_line
 from moerl.redact import redact, redact_config
-from moerl.resume import saved_config
+from moerl.resume import check_config, saved_config
+from moerl.resume import complete as is_complete
+from moerl.resume import statement as resume_statement
 from moerl.run_dir import RunLock
 from moerl.rollout import EngineConfig, SamplingParams
 from moerl.tasks.base import Task, stop_token_ids
@@ -170,6 +172,7 @@ class Prepared:
     resume_step: int | None
     eval_plan: object | None = None  # moerl.loop.evaluation.EvalPlan, when [eval] is on
     lock: RunLock | None = None  # the run directory's, held until the run ends (moerl/run_dir.py)
+    complete: bool = False  # --resume of a checkpoint at train.steps: nothing to train
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the run says as it starts
 
     def release(self) -> None:
@@ -177,7 +180,8 @@ class Prepared:
             self.lock.release()
 
 
-def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None) -> Prepared:
+def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None,
+            resume_overrides: Sequence[str] = ()) -> Prepared:
     """Every check of moerl/preflight.py, in its order, before Ray starts: a run that cannot work fails here,
     in seconds and in one line, rather than in an actor or at its first checkpoint."""
     from moerl.checkpoint import CheckpointStore
@@ -210,8 +214,15 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             plan = eval_plan(cfg, task)  # opens the eval set: a bad one fails here
         except Exception as e:  # noqa: BLE001 - TaskError and the data readers' errors
             raise PreflightError(f"eval.path: {one_line(e)}") from e
-        step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step)
-                if resume else None)
+        step = (preflight.check_resume(store, _fingerprint(cfg, arch), every=cfg.checkpoint.every, step=resume_step,
+                                       run_dir=run_dir) if resume else None)
+        complete = False
+        if step is not None:  # what it restores, what it rolls back, what changed: said before anything starts
+            manifest = store.read_manifest(step)
+            changes = check_config(manifest, cfg, step, resume_overrides)
+            complete = is_complete(step, cfg)
+            notes += resume_statement(step, manifest, preflight.last_logged_step(run_dir),
+                                      [s for s in store.step_dirs() if s > step], changes, store.root)
         preflight.check_ray_address(cfg.ray.address or os.environ.get("RAY_ADDRESS", ""), cfg.ray.connect_timeout_s,
                                     lambda text: print(text, file=sys.stderr, flush=True))
         if cfg.run.wandb:
@@ -224,7 +235,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-    return Prepared(task, arch, step, plan, lock, notes)
+    return Prepared(task, arch, step, plan, lock, complete, notes)
 
 
 class StopSignals:
@@ -463,7 +474,7 @@ def main(argv: list[str]) -> int:
     _local_ray_auth(cfg)  # before anything imports Ray (TrainerLost below does): Ray reads the mode at import
     previous = _on_sigterm(_stop_before_start)  # until the loop's own handlers: the checks may wait for Ray
     try:
-        return _prepare_and_train(cfg, resume, args.resume_step, debug, again)
+        return _prepare_and_train(cfg, resume, args.resume_step, debug, again, args.resume_override)
     except StoppedBeforeStart:
         print("stopped by SIGTERM before the run started: nothing was trained", file=sys.stderr)
         return 128 + signal.SIGTERM
@@ -487,15 +498,23 @@ def _on_sigterm(handler):
     return signal.signal(signal.SIGTERM, handler)
 
 
-def _prepare_and_train(cfg: MoerlConfig, resume: bool, resume_step: int | None, debug: bool, again: str) -> int:
+def _prepare_and_train(cfg: MoerlConfig, resume: bool, resume_step: int | None, debug: bool, again: str,
+                       overrides: Sequence[str] = ()) -> int:
     try:
-        prepared = prepare(cfg, resume=resume, resume_step=resume_step)
+        prepared = prepare(cfg, resume=resume, resume_step=resume_step, resume_overrides=overrides)
     except KeyboardInterrupt:
         print("interrupted before the run started: nothing was trained", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - every input problem is one line; the traceback with log_level=debug
         _error(e, debug)
         return 2
+    if prepared.complete:  # nothing to train: no Ray, nothing rolled back
+        prepared.release()
+        for note in prepared.notes:
+            print(note, file=sys.stderr)
+        print(f"the run is complete: checkpoint step {prepared.resume_step} is train.steps={cfg.train.steps}; "
+              "nothing to train (raise --train.steps to train on)")
+        return 0
     from moerl.actors.pools import TrainerLost
 
     try:
@@ -537,11 +556,14 @@ def _resume_hint(cfg: MoerlConfig, again: str) -> str:
     from moerl.checkpoint import CheckpointStore
 
     try:
-        saved = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s).latest_step()
+        store = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s)
+        saved = store.latest_step()
+        held = saved is None and (preflight.last_logged_step(Path(cfg.run.dir)) or store.step_dirs())
     except Exception:  # noqa: BLE001 - only a hint
         return ""
-    if saved is None:
-        return "; no checkpoint was saved"
+    if saved is None:  # what a re-run and --resume will both say (preflight.check_no_run, check_resume)
+        return "; no checkpoint was saved" + (": nothing to resume; start a new run with --run.dir=<another "
+                                              "directory> (or delete that one)" if held else "")
     return f"; the newest checkpoint is step {saved}: resume with: {again} --resume"
 
 

@@ -275,7 +275,8 @@ def test_resume_without_a_checkpoint_says_why(tmp_path) -> None:
     with pytest.raises(PreflightError) as e:
         preflight.check_resume(store, {}, every=0)
     assert str(e.value) == (f"--resume: no committed checkpoint under {store.root}; checkpoint.every is 0, so a run "
-                            "saves only when it is stopped (SIGTERM or Ctrl-C): start without --resume")
+                            "saves only at its last step or when it is stopped (SIGTERM or Ctrl-C): start without "
+                            "--resume")
 
 
 def test_torn_checkpoint_offers_the_newest_intact_step(tmp_path) -> None:
@@ -388,7 +389,7 @@ def test_resume_if_saved_resumes_only_when_a_checkpoint_is_committed(tmp_path, m
     from moerl import run
 
     seen: list[bool] = []
-    monkeypatch.setattr(run, "prepare", lambda cfg, resume, resume_step: seen.append(resume) or (_ for _ in ()).throw(
+    monkeypatch.setattr(run, "prepare", lambda cfg, resume, resume_step, **kw: seen.append(resume) or (_ for _ in ()).throw(
         run.PreflightError("stop here")))
     argv = [DEMO, f"--run.dir={tmp_path}", "--resume-if-saved"]
     assert run.main(argv) == 2 and seen == [False]
