@@ -116,7 +116,11 @@ class RolloutConfig:
     heartbeat_timeout_s: float = 60.0  # a worker silent this long is lost; its leases go back
     start_timeout_s: float = 600.0  # a worker not placed and built by then is a failed start (3 in a row end the run)
     lease_timeout_s: float = 600.0  # a lease not renewed by a heartbeat this long returns to the queue
-    max_attempts: int = 3  # failed generations of a group before it is recorded as failed
+    max_attempts: int = 3  # failed generations of a group (or deaths of the worker that ran it alone) before it fails
+    # rollout workers lost in a row before any finished a group that end the run; 0 = max(8, 2 x num_workers)
+    max_worker_losses: int = 0
+    respawn_backoff_s: float = 1.0  # a replacement after such losses waits this, doubled per loss in a row ...
+    respawn_backoff_max_s: float = 60.0  # ... up to this
     grace_s: float = 90.0  # preemption: hand back and exit within this
     imds_url: str = ""  # EC2 spot notice URL to poll every 5 s ("" = off; SIGTERM always works)
 
@@ -133,10 +137,18 @@ class RolloutConfig:
         require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction", "must be in (0, 1]")
         require(self.kv_block_size >= 1, "kv_block_size", "must be >= 1")
         require(self.kv_cache_tokens >= 0, "kv_cache_tokens", "must be >= 0 (0 = from memory)")
+        require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        require(self.max_worker_losses >= 0, "max_worker_losses", "must be >= 0 (0 = max(8, 2 x num_workers))")
+        require(self.respawn_backoff_s >= 0, "respawn_backoff_s", "must be >= 0")
+        require(self.respawn_backoff_max_s >= self.respawn_backoff_s, "respawn_backoff_max_s",
+                f"must be >= rollout.respawn_backoff_s ({self.respawn_backoff_s})")
         # max_seq_len bounds prompt + completion: a larger max_new_tokens would be cut short without a word.
         require(self.max_new_tokens < self.max_seq_len, "max_new_tokens",
                 f"must be < rollout.max_seq_len={self.max_seq_len} (prompt + completion tokens): raise "
                 "rollout.max_seq_len")
+
+    def worker_losses_limit(self) -> int:
+        return self.max_worker_losses or max(8, 2 * self.num_workers)
 
     def inflight_groups(self) -> int:
         """`max_inflight_groups`, or enough groups to fill the engine's batch twice: one batch decoding while
@@ -170,6 +182,12 @@ class TrainConfig:
     # bf16 numerics alone stay near 1e-4; far above, the trainer learns from another policy's samples
     behaviour_kl_bound: float = 0.05
     time_limit_s: float = 0.0  # RL ends after this many seconds (saved as on a graceful stop) if `steps` are not done; 0 = none
+    # no step for this long ends the run (exit 1), naming what it waits for; warned at each quarter; 0 = off
+    step_timeout_s: float = 1800.0
+    # prompt groups failed for good, or samples whose reward failed, over this share of the last `failure_window`
+    # of them end the run (exit 1) naming the first; 1 = never (a run that trains no sample always fails)
+    max_failed_fraction: float = 0.5
+    failure_window: int = 100  # groups (and samples) the failure share is taken over, once that many came back
     loss: LossConfig = field(default_factory=LossConfig)  # the policy loss (moerl/train/loss.py)
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule
 
@@ -186,6 +204,9 @@ class TrainConfig:
                 "must be >= 0 (0 = 4 x batch_groups)")
         require(self.behaviour_kl_bound >= 0, "behaviour_kl_bound", "must be >= 0 (0 = off)")
         require(self.time_limit_s >= 0, "time_limit_s", "must be >= 0 (0 = none)")
+        require(self.step_timeout_s >= 0, "step_timeout_s", "must be >= 0 (0 = off)")
+        require(0 < self.max_failed_fraction <= 1, "max_failed_fraction", "must be in (0, 1] (1 = never)")
+        require(self.failure_window >= 1, "failure_window", "must be >= 1")
 
     def dynamic_sampling_limit(self) -> int:
         """Groups dynamic sampling may drop (and lease again) per step."""
@@ -225,6 +246,10 @@ class EvalConfig:
 class TaskConfig:
     name: str = "moerl.tasks.arithmetic:ArithmeticTask"  # dotted path module:Class of the task
     options: dict[str, Any] = field(default_factory=dict)  # passed to the task's own config
+    reward_timeout_s: float = 60.0  # a reward call past this fails its sample (it cannot hold its worker)
+
+    def validate(self) -> None:
+        require(self.reward_timeout_s > 0, "reward_timeout_s", "must be > 0")
 
 
 @dataclass

@@ -94,6 +94,7 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),
                         seed=cfg.run.seed, threads=cfg.rollout.threads, grace_s=cfg.rollout.grace_s,
                         imds_url=cfg.rollout.imds_url, ep_size=cfg.rollout.ep_size,
+                        reward_timeout_s=cfg.task.reward_timeout_s,
                         expert_bias=cfg.model.expert_bias_update_rate > 0)
     trainer = TrainerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                           optim=t.optim, loss=t.loss, ep_size=cfg.ep.size,
@@ -305,7 +306,9 @@ def _loop_config(cfg: MoerlConfig):
     return LoopConfig(steps=cfg.train.steps, batch_groups=cfg.train.batch_groups, group_size=cfg.rollout.group_size,
                       max_staleness=cfg.train.max_staleness, mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
                       max_inflight_per_worker=cfg.rollout.inflight_groups(), deterministic=cfg.run.deterministic,
-                      checkpoint_every=cfg.checkpoint.every, time_limit_s=cfg.train.time_limit_s)
+                      checkpoint_every=cfg.checkpoint.every, time_limit_s=cfg.train.time_limit_s,
+                      step_timeout_s=cfg.train.step_timeout_s, max_failed_fraction=cfg.train.max_failed_fraction,
+                      failure_window=cfg.train.failure_window)
 
 
 def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None,
@@ -330,6 +333,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     from moerl.loop.evaluation import Evaluator
     from moerl.loop.samples import SampleBuilder
     from moerl.loop.work_queue import WorkQueue
+    from moerl.actors.respawn import RespawnPolicy
     from moerl.runlog.mismatch import BehaviourKLWatch
     from moerl.runlog.reporter import RunReporter
 
@@ -393,7 +397,9 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         workers = RayRolloutPool(worker_spec, cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
                                  cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s,
                                  cfg.rollout.heartbeat_timeout_s, cfg.rollout.inflight_groups(),
-                                 cfg.rollout.start_timeout_s, on_event=report.event)
+                                 cfg.rollout.start_timeout_s, on_event=report.event,
+                                 respawn=RespawnPolicy(cfg.rollout.worker_losses_limit(), cfg.rollout.respawn_backoff_s,
+                                                       cfg.rollout.respawn_backoff_max_s))
         weights = RayWeightSync(trainer, workers, cfg.weights.transport, cfg.weights.bucket_mb << 20,
                                 cfg.weights.timeout_s)
         builder = SampleBuilder(task, cfg.train.loss.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
@@ -415,7 +421,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                                            if plan else None),
                                 dynamic=(DynamicSampling(cfg.train.dynamic_sampling_limit(),
                                                          lambda text: report.event("dynamic_sampling", text))
-                                         if cfg.train.dynamic_sampling else None))
+                                         if cfg.train.dynamic_sampling else None),
+                                warn=lambda text: report.event("warning", text))
         if restored is not None:
             try:
                 controller.load_state_dict(restored[1])
@@ -533,10 +540,11 @@ def _prepare_and_train(cfg: MoerlConfig, resume: bool, resume_step: int | None, 
     if result["stopped"] is not None:
         print(_stopped_line(result, again))
         return 128 + result["stopped"]
-    m = result["metrics"]
-    print(f"done: {result['step']} steps in {m.get('elapsed_s', 0):.0f}s, final reward/mean "
-          f"{m.get('reward/mean', float('nan')):.3f}; outputs in {cfg.run.dir}")
-    print(f"counters: {result['counters']}")
+    from moerl.runlog.summary import summary
+
+    for line in summary(Path(cfg.run.dir), result["step"], result["metrics"].get("elapsed_s", 0.0),
+                        result.get("counters", {}), result.get("checkpoint_step")):
+        print(line)
     return 0
 
 

@@ -15,19 +15,21 @@ from moerl.actors.engine_thread import EngineThread
 from moerl.loop.evaluation import EvalRequest, EvalResult, EvalSet, eval_seed, open_eval_set
 from moerl.rollout import SamplingParams
 from moerl.tasks.base import Task
+from moerl.tasks.scoring import RewardScorer
 
 
 class EvalRunner:
     def __init__(self, worker_id: str, engine: EngineThread, task: Task, task_name: str, task_options: dict,
-                 sampling: SamplingParams, seed: int, timeout_s: float = 600.0) -> None:
+                 sampling: SamplingParams, seed: int, timeout_s: float = 600.0, reward_timeout_s: float = 60.0) -> None:
         self.worker_id, self.engine, self.task = worker_id, engine, task
         self.task_name, self.task_options, self.sampling, self.seed = task_name, task_options, sampling, seed
-        self.timeout_s = timeout_s
-        self._sets: dict[str, EvalSet] = {}  # eval.path -> its eval set, opened once
+        self.timeout_s, self.reward_timeout_s = timeout_s, reward_timeout_s
+        self._sets: dict[str, tuple[EvalSet, RewardScorer]] = {}  # eval.path -> its eval set, opened once
 
-    def _set(self, path: str) -> EvalSet:
+    def _set(self, path: str) -> tuple[EvalSet, RewardScorer]:
         if path not in self._sets:
-            self._sets[path] = open_eval_set(self.task, self.task_name, self.task_options, path, self.seed)
+            eval_set = open_eval_set(self.task, self.task_name, self.task_options, path, self.seed)
+            self._sets[path] = eval_set, RewardScorer(eval_set.task, self.reward_timeout_s)  # rewards under a deadline
         return self._sets[path]
 
     def run(self, req: EvalRequest, preempting: threading.Event) -> EvalResult:
@@ -45,7 +47,7 @@ class EvalRunner:
         if self.engine.engine.version != req.version:
             return result("wrong_version", f"worker holds weights version {self.engine.engine.version}, "
                                            f"the eval needs {req.version}")
-        eval_set = self._set(req.path)
+        eval_set, scorer = self._set(req.path)
         base = dataclasses.replace(self.sampling, temperature=req.temperature,
                                    max_new_tokens=req.max_new_tokens or self.sampling.max_new_tokens)
         prompts = [eval_set.prompt(i) for i in req.indices]
@@ -63,9 +65,7 @@ class EvalRunner:
             return result("wrong_version", f"weights changed during the eval: versions {sorted(versions)}")
         rewards, lengths = [], []
         for prompt, cs in zip(prompts, completions):
-            rs = []
-            for c in cs:
-                rs.append(None if c.finish_reason == "error" else eval_set.score(prompt, c.token_ids)[0])
-            rewards.append(rs)
+            scored = scorer.score(prompt, [c.token_ids for c in cs])
+            rewards.append([None if c.finish_reason == "error" else r for c, (r, _) in zip(cs, scored)])
             lengths.append([len(c.token_ids) for c in cs])
         return result("ok", indices=list(req.indices), rewards=rewards, lengths=lengths)

@@ -15,6 +15,7 @@ from typing import Callable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from moerl.actors.respawn import RespawnPolicy
 from moerl.actors.rollout_worker import RolloutWorker, WorkerSpec
 from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
 from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
@@ -128,10 +129,12 @@ class _Worker:
     held: bool = False  # running an eval (moerl/loop/evaluation.py): no leases, no new weights
     rejoining: bool = False  # back from an eval: catching up to the newest weights before it leases again
     lost_reason: str = ""  # why it is about to be removed (said in the "worker lost" event)
+    worked: bool = False  # returned a group: its loss is not a failed life (moerl/actors/respawn.py)
 
 
 class RayRolloutPool:
-    """M rollout workers; dead ones are removed and replaced while capacity allows.
+    """M rollout workers; dead ones are removed and replaced while capacity allows, with a backoff and a cap when
+    they keep dying before finishing a group (`respawn`, moerl/actors/respawn.py).
 
     on_event(kind, text), kind "worker" or "warning": a worker up, lost, retired or replaced, one line each
     (the run log prints them; moerl/runlog/reporter.py)."""
@@ -139,13 +142,14 @@ class RayRolloutPool:
     def __init__(self, spec: WorkerSpec, target: int, cpus_per_worker: float, gpus_per_worker: float,
                  queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
                  max_inflight_groups: int = 8, start_timeout_s: float = 600.0,
-                 on_event: Callable[[str, str], None] | None = None) -> None:
+                 on_event: Callable[[str, str], None] | None = None, respawn: RespawnPolicy | None = None) -> None:
         self.spec, self.target, self.queue = spec, target, queue
         self.on_event = on_event or (lambda kind, text: None)
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.start_timeout_s = start_timeout_s  # a worker not up by then (placed and built) is a failed start
         self.max_start_failures = 3  # workers in a row whose constructor raised: a setup error, stop the run
         self._start_failures = 0
+        self.respawn = respawn or RespawnPolicy(max(8, 2 * target), 1.0, 60.0)
         # A group's call holds one actor thread until the group is done: threads for every group the controller
         # may lease, plus some so pings and weight updates never queue behind generation (with 16 threads and 64
         # groups leased, the engine saw 16 groups and each weight update waited for a group to finish).
@@ -198,6 +202,9 @@ class RayRolloutPool:
                 worker.inflight -= 1
             try:
                 out.append((ref, ray.get(ref), None))
+                if worker is not None:  # it finished a group: workers can stay up
+                    worker.worked = True
+                    self.respawn.worked()
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.ObjectLostError) as e:
                 if worker is not None:
@@ -221,6 +228,8 @@ class RayRolloutPool:
             ray.kill(w.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        if not w.leaving:  # raises WorkersKeepDying when no worker stays up (the run ends with its line)
+            self.respawn.lost(worker_id, w.lost_reason or "removed", w.worked)
         return True
 
     def unresponsive(self, now: float) -> list[str]:
@@ -287,9 +296,12 @@ class RayRolloutPool:
         retired = [w for w, s in self.workers.items() if s.leaving and s.inflight == 0]
         for worker_id in retired:
             self.remove(worker_id)
-        while len(self.workers) < self.target:
+        # After losses in a row (workers that died before finishing a group), replacements wait: exponential, capped.
+        while len(self.workers) < self.target and self.respawn.wait_s() == 0:
+            backoff = (f"; {self.respawn.in_row} lost in a row before finishing a group, it waited "
+                       f"{self.respawn.delay():.1f} s" if self.respawn.in_row else "")
             self.on_event("worker", f"starting rollout worker {self._spawn()} to replace a lost one "
-                          f"({self.alive()}/{self.target} up)")
+                          f"({self.alive()}/{self.target} up{backoff})")
         return retired
 
     def preempt_all(self) -> None:

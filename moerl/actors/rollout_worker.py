@@ -32,7 +32,8 @@ from moerl.model.config import MoEModelConfig
 from moerl.rollout import Engine, EngineConfig, SamplingParams
 from moerl.rollout.group_leader import GroupLeader
 from moerl.rollout.memory import plan_for_device
-from moerl.tasks.base import load_task, safe_reward
+from moerl.tasks.base import load_task
+from moerl.tasks.scoring import RewardScorer
 
 
 @dataclass
@@ -54,6 +55,7 @@ class WorkerSpec:
     imds_interval_s: float = 5.0
     group_timeout_s: float = 600.0
     ep_size: int = 1  # ranks of the engine: > 1 runs an engine group (moerl/actors/engine_ranks.py)
+    reward_timeout_s: float = 60.0  # a reward past this fails its sample (task.reward_timeout_s)
     expert_bias: bool = False  # choose experts with the router's expert bias, as the trainer does (it arrives with the weights)
 
 
@@ -96,6 +98,7 @@ class RolloutWorker:
         self.engine = EngineThread(_build_engine(spec, arch, dtype))
         self.receiver = weight_sync.Receiver(self.engine.engine.device)
         self.task = load_task(spec.task_name, spec.task_options, seed=spec.seed)
+        self.scorer = RewardScorer(self.task, spec.reward_timeout_s)  # a hung reward fails its sample, not the worker
         self.preempting = threading.Event()
         self._inflight_groups = 0
         self._apply_s = 0.0  # engine paused for new weights since the last result handed out
@@ -118,7 +121,7 @@ class RolloutWorker:
             with self._lock:  # the engine's weight-apply pauses since the last result, reported once
                 result.apply_s, self._apply_s = self._apply_s, 0.0
             return result
-        except Exception as e:  # noqa: BLE001 - a failed generation is reported, retried by the controller
+        except BaseException as e:  # noqa: BLE001 - reported, retried; task code may even raise SystemExit
             return GroupResult(task.task_id, task.prompt_index, self.worker_id, "error",
                                error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         finally:
@@ -144,11 +147,8 @@ class RolloutWorker:
             return GroupResult(task.task_id, task.prompt_index, self.worker_id, "preempted", completions,
                                seconds=time.perf_counter() - t0)
         prompt = self.task.prompt_at(task.prompt_index)
-        rewards, errors = [], []
-        for c in completions:
-            reward, err = safe_reward(self.task, prompt, c.token_ids)
-            rewards.append(reward)
-            errors.append(err)
+        scored = self.scorer.score(prompt, [c.token_ids for c in completions])
+        rewards, errors = [r for r, _ in scored], [e for _, e in scored]
         return GroupResult(task.task_id, task.prompt_index, self.worker_id, "ok", completions, rewards, errors,
                            seconds=time.perf_counter() - t0)
 
@@ -161,7 +161,7 @@ class RolloutWorker:
             if self._eval is None:
                 self._eval = EvalRunner(self.worker_id, self.engine, self.task, self.spec.task_name,
                                         self.spec.task_options, self.spec.sampling, self.spec.seed,
-                                        self.spec.group_timeout_s)
+                                        self.spec.group_timeout_s, self.spec.reward_timeout_s)
             return self._eval.run(request, self.preempting)
         except Exception as e:  # noqa: BLE001 - reported; the controller retries the chunk
             return EvalResult(request.eval_id, request.chunk, self.worker_id, "error",

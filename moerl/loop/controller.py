@@ -12,6 +12,9 @@ sample's oldest token can be. Training waits for `batch_groups` finished groups.
 alternate exactly: lease one batch, wait for it, train, publish, repeat. An eval (moerl/loop/evaluation.py)
 holds some workers at one version while the rest lease and train on; dynamic sampling
 (moerl/loop/dynamic_sampling.py) drops all-equal-reward groups as they arrive and leases more in their place.
+Guards: failure shares over their bound and a run that trained nothing stop it (moerl/loop/failures.py); a
+step that does not advance is reported, then stops it (moerl/loop/watchdog.py); a task whose attempts kill
+their worker is failed like one whose attempts raise (moerl/loop/work_queue.py `worker_died`).
 
 No Ray here: the parts are typed by the Protocols of moerl/loop/types.py (moerl/actors implements them).
 """
@@ -24,9 +27,11 @@ from typing import Callable
 
 from moerl.loop.dynamic_sampling import DynamicSampling
 from moerl.loop.evaluation import Evaluator
+from moerl.loop.failures import FailureWatch
 from moerl.loop.phases import PhaseClock
 from moerl.loop.samples import SampleBuilder
 from moerl.loop.types import Checkpoints, GroupResult, GroupTask, RolloutPool, StepInFlight, TrainerGroup, WeightSync
+from moerl.loop.watchdog import StepWatchdog
 from moerl.loop.work_queue import WorkQueue
 from moerl.tasks.base import Task
 
@@ -44,6 +49,9 @@ class LoopConfig:
     deterministic: bool = False  # batches in task-id order, so the optimizer sees the same sample order
     checkpoint_every: int = 0  # save every N steps (with a Checkpoints part); the last step and a stop always
     time_limit_s: float = 0.0  # end (as a graceful stop: in-flight work kept, saved) after this much RL; 0 = none
+    step_timeout_s: float = 0.0  # no step for this long ends the run (RunFailed); 0 = off
+    max_failed_fraction: float = 1.0  # failed groups or samples over this share of a full window end the run
+    failure_window: int = 100  # outcomes (groups, and samples) the share is taken over
 
 
 @dataclass
@@ -65,7 +73,8 @@ class Controller:
     def __init__(self, cfg: LoopConfig, task: Task, queue: WorkQueue, workers: RolloutPool, trainer: TrainerGroup,
                  weights: WeightSync, builder: SampleBuilder, on_step: Callable[[int, dict, list[dict]], None],
                  checkpoints: Checkpoints | None = None, stop_requested: Callable[[], bool] = lambda: False,
-                 evaluator: Evaluator | None = None, dynamic: DynamicSampling | None = None) -> None:
+                 evaluator: Evaluator | None = None, dynamic: DynamicSampling | None = None,
+                 warn: Callable[[str], None] = lambda text: None) -> None:
         self.cfg, self.task, self.queue, self.workers, self.trainer = cfg, task, queue, workers, trainer
         self.weights, self.builder, self.on_step = weights, builder, on_step
         self.checkpoints = checkpoints
@@ -77,6 +86,8 @@ class Controller:
         self._saved_step = -1  # the step of the last checkpoint saved
         self.evaluator = evaluator  # evals on held rollout workers (moerl/loop/evaluation.py)
         self.dynamic = dynamic  # DAPO's dynamic sampling (moerl/loop/dynamic_sampling.py)
+        self.failures = FailureWatch(cfg.max_failed_fraction, cfg.failure_window)
+        self.watchdog = StepWatchdog(cfg.step_timeout_s, warn)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
@@ -85,6 +96,7 @@ class Controller:
         if self.evaluator is not None:
             self.evaluator.start_of_run(self.state.step, self.state.version)
         deadline = time.monotonic() + self.cfg.time_limit_s if self.cfg.time_limit_s > 0 else float("inf")
+        self.watchdog.advanced()
         while self.state.step < self.cfg.steps:
             if self.stop_requested() or time.monotonic() >= deadline:
                 self._graceful_stop()
@@ -101,9 +113,20 @@ class Controller:
             self._try_start_training()
             if self.evaluator is not None:
                 self.evaluator.poll()
+            self.failures.check()
+            self.watchdog.check(self.state.step + 1, self._waiting_for)
         if self.evaluator is not None:
             self.evaluator.finish()
+        if self.state.step > 0 and self.state.counters["samples_trained"] == 0:
+            raise self.failures.nothing_trained(self.state.step)  # never "done" with nothing trained
         return self.state
+
+    def _waiting_for(self) -> str:
+        if self.training is not None:
+            return f"the trainer, whose step has run for {time.monotonic() - self.training.started_at:.0f} s"
+        return (f"rollout: {len(self.state.ready)} of {self.cfg.batch_groups} groups ready, {self.queue.leased()} "
+                f"leased, {self.queue.pending()} pending; {self.workers.alive()} of {self.workers.target} rollout "
+                "workers up")
 
     def _try_start_training(self) -> None:
         if self.training is None and self.state.step < self.cfg.steps:
@@ -126,8 +149,8 @@ class Controller:
                         return
                     self._add_next_prompt()
                 task = self.queue.lease(worker_id, now)
-                if task is None:
-                    return
+                if task is None:  # nothing for this worker now (a suspect waits for it to drain): the next one
+                    break
                 ref = self.workers.dispatch(worker_id, task)
                 self.inflight[ref] = (worker_id, task.task_id)
 
@@ -153,8 +176,8 @@ class Controller:
                 continue
             worker_id, task_id = entry
             now = time.monotonic()
-            if error is not None:  # the actor died (SIGKILL, node lost): its leases go back
-                self._worker_lost(worker_id, now)
+            if error is not None:  # the actor died (SIGKILL, node lost, an input that killed it): its leases go back
+                self._worker_lost(worker_id, now, f"its rollout worker {worker_id} died ({type(error).__name__})")
                 continue
             self.queue.heartbeat(worker_id, now)
             if result.status == "preempted":
@@ -163,10 +186,10 @@ class Controller:
                 self.workers.mark_leaving(worker_id)
             elif result.status == "error":
                 if self.queue.fail(task_id, worker_id, result.error or "unknown error", now) == "failed":
-                    self.state.counters["groups_failed"] += 1
-                    self.state.leased_total -= 1  # never trained: its gate slot goes back (see _take_batch)
+                    self._group_failed(task_id, result.prompt_index, result.error or "unknown error")
             elif self.queue.complete(task_id, worker_id, now):
                 self.state.counters["groups_done"] += 1
+                self.failures.group_back(result)
                 self._accept(result)
             else:
                 self.state.counters["late_results"] += 1  # lease expired and was re-leased: drop
@@ -181,9 +204,17 @@ class Controller:
             self.state.counters["groups_filter_over_limit"] += over_limit
         self.state.ready.append(result)
 
-    def _worker_lost(self, worker_id: str, now: float) -> None:
+    def _group_failed(self, task_id: str, prompt_index: int, error: str) -> None:
+        self.state.counters["groups_failed"] += 1
+        self.state.leased_total -= 1  # never trained: its gate slot goes back (see _take_batch)
+        self.failures.group_failed(task_id, prompt_index, error)
+
+    def _worker_lost(self, worker_id: str, now: float, cause: str) -> None:
+        """The worker is gone: its leases go back, and a task it held alone has its death counted as an attempt
+        (work_queue.py `worker_died`), so an input that kills its worker is failed rather than re-run forever."""
         if self.workers.remove(worker_id):
-            self.queue.worker_lost(worker_id, now)
+            for record in self.queue.worker_died(worker_id, now, cause)[1]:
+                self._group_failed(record.task_id, record.prompt_index, cause)
             self.state.counters["workers_lost"] += 1
             for ref, (wid, _) in list(self.inflight.items()):
                 if wid == worker_id:
@@ -192,7 +223,7 @@ class Controller:
     def _check_workers(self) -> None:
         now = time.monotonic()
         for worker_id in self.workers.unresponsive(now):
-            self._worker_lost(worker_id, now)
+            self._worker_lost(worker_id, now, f"its rollout worker {worker_id} stopped answering")
         # Expired leases go back to the queue; their calls stay in `inflight`: a result that still comes
         # is dropped as late (the queue no longer holds its lease) and frees its worker's slot.
         self.queue.expire(now)

@@ -68,33 +68,39 @@ def format_duration(seconds: float) -> str:
 
 
 def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed_s: float,
-                eta_s: float | None = None) -> str:
-    """One progress line; fields whose metric is missing are left out, and so is an unknown ETA."""
-    parts = [f"step {step}/{total_steps}"]
+                eta_s: float | None = None, width: int | None = None) -> str:
+    """One progress line; fields whose metric is missing are left out, and so is an unknown ETA. With `width`
+    (a terminal's columns) the least useful fields are left out until it fits: the step, reward, rate, elapsed
+    time and ETA stay (a line cut at the terminal's edge lost the ETA first)."""
+    parts: list[tuple[int, str]] = [(0, f"step {step}/{total_steps}")]  # (drop order: highest first, text)
     if REWARD_KEY in metrics:
-        parts.append(f"reward {_fmt_float(_number(metrics, REWARD_KEY), '.3g')}")
+        parts.append((1, f"reward {_fmt_float(_number(metrics, REWARD_KEY), '.3g')}"))
     if SAMPLES_PER_S_KEY in metrics:
-        parts.append(f"{_fmt_float(_number(metrics, SAMPLES_PER_S_KEY), '.1f')} samples/s")
+        parts.append((2, f"{_fmt_float(_number(metrics, SAMPLES_PER_S_KEY), '.1f')} samples/s"))
     if STALENESS_KEY in metrics:
-        parts.append(f"staleness {_fmt_float(_number(metrics, STALENESS_KEY), '.1f')}")
+        parts.append((6, f"staleness {_fmt_float(_number(metrics, STALENESS_KEY), '.1f')}"))
     if QUEUE_KEY in metrics:
-        parts.append(f"queue {_fmt_int(_number(metrics, QUEUE_KEY))}")
+        parts.append((7, f"queue {_fmt_int(_number(metrics, QUEUE_KEY))}"))
     if WORKERS_ALIVE_KEY in metrics:
         alive = _fmt_int(_number(metrics, WORKERS_ALIVE_KEY))
         if WORKERS_TARGET_KEY in metrics:
             alive += f"/{_fmt_int(_number(metrics, WORKERS_TARGET_KEY))}"
-        parts.append(f"workers {alive}")
+        parts.append((5, f"workers {alive}"))
     step_s = _number(metrics, "time/step_s")
     if step_s:  # where the loop's time went this step (moerl/loop/phases.py), largest first
         shares = sorted(((v / step_s, short) for phase, short, _ in STEP_PHASES
                          if (v := _number(metrics, f"time/{phase}_s")) is not None and v / step_s >= 0.05),
                         reverse=True)
         if shares:
-            parts.append(f"{step_s:.2g}s: " + " ".join(f"{short} {100 * frac:.0f}%" for frac, short in shares))
-    parts.append(format_duration(elapsed_s))
+            parts.append((8, f"{step_s:.2g}s: " + " ".join(f"{short} {100 * frac:.0f}%" for frac, short in shares)))
+    parts.append((4, format_duration(elapsed_s)))
     if eta_s is not None and math.isfinite(eta_s) and step < total_steps:
-        parts.append(f"eta {format_duration(eta_s)}")
-    return " | ".join(parts)
+        parts.append((3, f"eta {format_duration(eta_s)}"))
+    line = " | ".join(text for _, text in parts)
+    while width and len(line) >= width and len(parts) > 1:  # one column is kept free for the cursor
+        parts.remove(max(parts, key=lambda p: p[0]))
+        line = " | ".join(text for _, text in parts)
+    return line
 
 
 def format_warm_start(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed_s: float,
@@ -165,7 +171,7 @@ class Progress:
         with self._lock:
             self._recent.append(("rl", step, self._clock()))
             line = format_line(step, self.total_steps, metrics, self.elapsed(),
-                               self.eta("rl", step, self.total_steps))
+                               self.eta("rl", step, self.total_steps), self._terminal_width() if self.tty else None)
             self._show("rl", step, step >= self.total_steps, line)
             return line
 

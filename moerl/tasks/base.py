@@ -195,26 +195,40 @@ def load_task(dotted: str, options: dict[str, Any] | None = None, *, seed: int) 
 
 
 # ------------------------------------------------------------------------------------------ scoring
+_NOT_REAL, _NOT_FINITE = "TypeError: reward returned", "ValueError: reward is not finite"
+REWARD_TIMEOUT = "TimeoutError: reward overran"  # how moerl.tasks.scoring reports a reward past its deadline
+
+
 def safe_reward(task: Task, prompt: Prompt, completion_ids: list[int]) -> tuple[float | None, str | None]:
     """(reward, None), or (None, "ExcType: message") when the reward raised or is not a finite number.
 
     A failed reward must mark the sample failed, never score it 0: a zero would be a real (wrong)
-    learning signal, while a failed sample is dropped from the batch.
+    learning signal, while a failed sample is dropped from the batch. BaseException too: a reward that calls
+    sys.exit (or raises KeyboardInterrupt) fails its sample; it used to take its rollout worker down with it.
     """
     try:
         value = task.reward(prompt, completion_ids)
-    except Exception as exc:  # noqa: BLE001 - any user reward bug becomes a per-sample error
+    except BaseException as exc:  # noqa: BLE001 - any user reward bug becomes a per-sample error
         return None, f"{type(exc).__name__}: {exc}"
     if not isinstance(value, numbers.Real):
-        return None, f"TypeError: reward returned {type(value).__name__} {value!r}, expected a real number"
+        return None, f"{_NOT_REAL} {type(value).__name__} {value!r:.200}, expected a real number"
     value = float(value)
     if not math.isfinite(value):
-        return None, f"ValueError: reward is not finite: {value}"
+        return None, f"{_NOT_FINITE}: {value}"
     return value, None
+
+
+def reward_error_kind(error: str) -> str:
+    """What a `safe_reward` (or moerl.tasks.scoring) error says of the reward, as in "their reward <kind>"."""
+    if error.startswith((_NOT_REAL, _NOT_FINITE)):
+        return "was not a finite real number"
+    if error.startswith(REWARD_TIMEOUT):
+        return "overran task.reward_timeout_s"
+    return "raised"
 
 
 __all__ = [
     "Prompt", "Task", "TaskError", "Tokenizer", "build_config", "check_index",
-    "completion_text", "derive_seed", "import_dotted", "load_task", "safe_reward", "stop_token_ids",
-    "task_config",
+    "completion_text", "derive_seed", "import_dotted", "load_task", "reward_error_kind", "safe_reward",
+    "stop_token_ids", "task_config",
 ]

@@ -180,6 +180,9 @@ def test_results_of_a_lost_worker_are_dropped_and_its_lease_requeued():
     ctl._collect(timeout=0)
     assert ctl.state.counters["workers_lost"] == 1 and pool.removed == ["w0"]
     assert queue.pending_ids() == [tids["w0"]] and queue.stats()["lost"] == 1
+    # w0 held that task alone: its death is an attempt of it (an input may have killed it), named in its errors
+    assert queue.stats()["died"] == 1 and queue.state_dict()["pending"][0]["errors"] == [
+        "its rollout worker w0 died (ConnectionError)"]
     pool.results = [(refs["w1"], ok(tids["w1"], "w1"), None)]
     ctl._collect(timeout=0)
     assert ctl.state.counters["groups_done"] == 1

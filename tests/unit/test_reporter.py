@@ -381,3 +381,41 @@ def test_behaviour_kl_over_its_bound_is_said_once_per_episode_and_kept_in_error_
     assert "lower train.optim.lr or train.max_staleness" in stale[0]
     off = BehaviourKLWatch(0.0, lambda text: pytest.fail(text))  # 0 = off
     off.observe(1, {"is/behaviour_kl": 50.0})
+
+
+# ------------------------------------------------------------------------------------------ the summary
+def test_the_summary_compares_reward_windows_and_tables_the_counters(tmp_path, capsys, monkeypatch) -> None:
+    """`final reward/mean` was the last step's noisy value (0.344 where the last 50 steps averaged 0.522) and the
+    counters a raw dict (issue 27 item 10)."""
+    import json
+
+    from moerl import run
+    from moerl.runlog.summary import counters_table, reward_line
+
+    rewards = {s: (0.1 if s <= 50 else 0.5) for s in range(1, 201)} | {200: 0.3}
+    assert reward_line(rewards) == ("reward/mean 0.100 over the first 50 steps, 0.496 over the last 50 (the last "
+                                    "step alone: 0.300)")
+    assert reward_line({1: 0.2, 2: 0.4, 3: 0.6, 4: 0.8}) == ("reward/mean 0.300 over the first 2 steps, 0.700 over "
+                                                            "the last 2 (the last step alone: 0.800)")
+    assert reward_line({}) is None
+    counters = {"groups_done": 4817, "groups_failed": 0, "samples_trained": 38400, "samples_failed": 0,
+                "stale_dropped": 412, "groups_filter_over_limit": 0}
+    table = counters_table(counters)
+    assert all(len(line) <= 80 for line in table) and len(table) == 3, table
+    assert table[0].startswith("counters  groups_done") and "38400" in "".join(table)
+
+    run_dir = tmp_path / "run"
+
+    def fake_train(cfg, **kw):  # what a run of 200 steps logged
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": r}) + "\n"
+                                                       for s, r in [(-1, None), *rewards.items()]))
+        return {"stopped": None, "step": 200, "steps": 200, "checkpoint_step": 200, "counters": counters,
+                "metrics": {"reward/mean": 0.3, "elapsed_s": 79.4}}
+    monkeypatch.setattr(run, "train", fake_train)
+    assert run.main([str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml"), f"--run.dir={run_dir}",
+                     "--train.steps=200"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [f"done: 200 steps in 79 s; outputs in {run_dir}; the policy is checkpoint step 200",
+                       "reward/mean 0.100 over the first 50 steps, 0.496 over the last 50 (the last step alone: "
+                       "0.300)"], out
+    assert out[2:] == table and "{" not in "".join(out)

@@ -455,3 +455,29 @@ def test_resume_streams_the_logs_it_trims(tmp_path):
     rows = read_jsonl(tmp_path / "trajectories.jsonl")
     assert len(rows) == 4000 and rows[-1]["step"] == 20 and rows[-1]["sample_index"] == 199
     assert (tmp_path / "trajectories.jsonl").read_bytes().endswith(b"\n")
+
+
+def test_progress_line_keeps_step_reward_rate_and_eta_on_80_columns() -> None:
+    """On a 100-column terminal the line was cut in its elapsed time, and its ETA was gone (issue 27 item 10)."""
+    metrics = {**FULL, "reward/mean": 0.344, "throughput/samples_per_s": 747.8, "time/step_s": 0.1,
+               "time/train_wait_s": 0.072, "time/controller_s": 0.02, "time/publish_s": 0.006}
+    full = format_line(310, 600, metrics, 65, 24)
+    assert len(full) > 100 and format_line(310, 600, metrics, 65, 24, width=200) == full
+    for width in (80, 100):
+        line = format_line(310, 600, metrics, 65, 24, width=width)
+        assert len(line) < width, line
+        assert line.startswith("step 310/600 | reward 0.344 | 747.8 samples/s | "), line
+        assert line.endswith(" | 0:01:05 | eta 0:00:24"), line
+    assert format_line(310, 600, metrics, 65, 24, width=100).count(" | ") > \
+        format_line(310, 600, metrics, 65, 24, width=80).count(" | ")  # what fits stays
+    stream = io.StringIO()
+    stream.isatty = lambda: True  # type: ignore[method-assign]
+    clock = FakeClock()
+    progress = Progress(600, stream, clock=clock)
+    progress._terminal_width = lambda: 80  # type: ignore[method-assign]
+    clock.t += 65
+    progress.update(300, metrics)
+    clock.t += 1
+    progress.update(310, metrics)
+    drawn = stream.getvalue().rsplit("\r", 1)[-1].rstrip()
+    assert len(drawn) < 80 and "reward 0.344" in drawn and "samples/s" in drawn and " | eta " in drawn, drawn

@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,3 +329,84 @@ def test_a_task_module_that_raises_on_import_is_named(tmp_path, monkeypatch):
         load_task("broken_task_mod:Task", {}, seed=0)
     with pytest.raises(TaskError, match=r"cannot load task 'syntax_task_mod:Task': .*SyntaxError"):
         load_task("syntax_task_mod:Task", {}, seed=0)
+
+
+# ------------------------------------------------------------------ rewards that exit, hang or return junk (issue 26)
+class _ExitingTask(_StubTask):
+    def reward(self, prompt: Prompt, completion_token_ids: list[int]) -> object:
+        if completion_token_ids == [1]:
+            raise SystemExit(3)
+        if completion_token_ids == [2]:
+            raise KeyboardInterrupt
+        return 0.5
+
+
+def test_a_reward_that_exits_fails_its_sample_not_its_worker() -> None:
+    task = _ExitingTask(_StubConfig())
+    p = task.prompt_at(0)
+    assert safe_reward(task, p, [1]) == (None, "SystemExit: 3")
+    assert safe_reward(task, p, [2]) == (None, "KeyboardInterrupt: ")
+    assert safe_reward(task, p, [3]) == (0.5, None)
+
+
+class _HangingTask(_StubTask):
+    """A reward that hangs on completion [9] until released (or for ever)."""
+
+    def __init__(self, config: _StubConfig) -> None:
+        super().__init__(config)
+        self.release = threading.Event()
+        self.calls: list[list[int]] = []
+
+    def reward(self, prompt: Prompt, completion_token_ids: list[int]) -> object:
+        self.calls.append(list(completion_token_ids))
+        if completion_token_ids == [9]:
+            self.release.wait(60)
+        return float(len(completion_token_ids))
+
+
+def test_a_reward_past_its_deadline_fails_its_sample_and_the_rest_are_scored() -> None:
+    from moerl.tasks.base import reward_error_kind
+    from moerl.tasks.scoring import RewardScorer
+
+    task = _HangingTask(_StubConfig())
+    scorer = RewardScorer(task, timeout_s=0.3, max_hung=2)
+    t0 = time.monotonic()
+    out = scorer.score(task.prompt_at(0), [[1], [9], [1, 2], [1, 2, 3]])
+    assert time.monotonic() - t0 < 10  # one deadline, not the hang
+    assert out[0] == (1.0, None) and out[2:] == [(2.0, None), (3.0, None)]
+    assert out[1][0] is None and "task.reward_timeout_s = 0.3 s" in out[1][1]
+    assert reward_error_kind(out[1][1]) == "overran task.reward_timeout_s"
+    assert scorer.hung() == 1
+    task.release.set()  # the abandoned thread returns, scores nothing more, and ends
+    deadline = time.monotonic() + 10
+    while scorer.hung() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scorer.hung() == 0 and task.calls.count([1, 2]) == 1  # the hung thread never scored the rest again
+
+
+def test_hung_rewards_cannot_pile_up_threads() -> None:
+    from moerl.tasks.scoring import RewardScorer
+
+    task = _HangingTask(_StubConfig())
+    scorer = RewardScorer(task, timeout_s=0.1, max_hung=2)
+    try:
+        for _ in range(2):
+            assert scorer.score(task.prompt_at(0), [[9]])[0][0] is None
+        assert scorer.hung() == 2
+        calls = len(task.calls)
+        out = scorer.score(task.prompt_at(0), [[1], [2]])
+        assert [r for r, _ in out] == [None, None] and "not started" in out[0][1] and len(task.calls) == calls
+    finally:
+        task.release.set()
+
+
+def test_reward_error_kinds() -> None:
+    from moerl.tasks.base import reward_error_kind
+
+    p = _StubTask(_StubConfig()).prompt_at(0)
+    for bad, kind in ((math.nan, "was not a finite real number"), ("x" * 10**4, "was not a finite real number"),
+                      (None, "was not a finite real number")):
+        _, error = safe_reward(_StubTask(_StubConfig(), result=bad), p, [])
+        assert reward_error_kind(error) == kind and len(error) < 300
+    _, error = safe_reward(_StubTask(_StubConfig(), exc=KeyError("answer")), p, [])
+    assert reward_error_kind(error) == "raised"

@@ -346,3 +346,91 @@ def test_completed_ids_stay_bounded_in_memory_and_in_the_checkpoint() -> None:
     q2 = WorkQueue(lease_timeout=10.0, max_attempts=1)
     q2.load_state_dict(old)
     assert list(q2.completed_ids) == [f"t{i}" for i in range(n - REMEMBER_COMPLETED, n)]
+
+
+# ------------------------------------------------------------------ failed-task records (issue 26 item 9)
+def test_failed_records_hold_ids_and_clipped_errors_never_prompts() -> None:
+    """A failed task used to be kept whole in every checkpoint: one 10 MB prompt grew controller.pt by its size
+    at every save. Its record holds ids, attempts and clipped errors only."""
+    from moerl.loop.work_queue import MAX_ERROR_CHARS
+
+    q = WorkQueue(lease_timeout=TIMEOUT, max_attempts=2)
+    huge = GroupTask("big", 3, [7] * 2_500_000, 2)
+    q.add(huge)
+    for k in range(2):
+        q.lease("a", float(k))
+        q.fail("big", "a", f"ValueError: prompt of {len(huge.prompt_token_ids)} tokens " + "x" * 10**6, float(k))
+    state = q.state_dict()
+    (record,) = state["failed"]
+    assert set(record) == {"task_id", "prompt_index", "attempts", "errors"}
+    assert (record["task_id"], record["prompt_index"], record["attempts"]) == ("big", 3, 2)
+    assert all(len(e) <= MAX_ERROR_CHARS + 40 and e.startswith("ValueError: prompt of 2500000") for e in record["errors"])
+    assert len(json.dumps(state)) < 10_000
+    assert [f.task_id for f in roundtrip(q).failed] == ["big"]
+
+
+def test_failed_records_are_capped_and_counters_count_all() -> None:
+    from moerl.loop.work_queue import MAX_FAILED_RECORDS
+
+    q = WorkQueue(lease_timeout=TIMEOUT, max_attempts=1)
+    n = 3 * MAX_FAILED_RECORDS
+    for i in range(n):
+        q.add(task(i))
+        q.lease("a", 0.0)
+        assert q.fail(f"t{i}", "a", "boom", 0.0) == "failed"
+    assert len(q.failed) == MAX_FAILED_RECORDS and q.stats()["failed"] == n
+    assert [f.task_id for f in q.failed] == [f"t{i}" for i in range(n - MAX_FAILED_RECORDS, n)]  # the newest
+    state = q.state_dict()
+    assert len(state["failed"]) == MAX_FAILED_RECORDS and state["counters"]["failed"] == n
+    with pytest.raises(ValueError, match="already added"):  # a recent failed id is still refused
+        q.add(task(n - 1))
+    old = {**state, "failed": [{**task(i).to_dict(), "attempts": 1, "errors": ["e" * 10**5]} for i in range(n)]}
+    q2 = roundtrip(q)
+    q2.load_state_dict(old)  # a checkpoint written before the bound: whole tasks, every one of them
+    assert len(q2.failed) == MAX_FAILED_RECORDS and len(q2.failed[-1].errors[0]) < 10**3
+
+
+# ------------------------------------------------------------------ inputs that kill their worker (issue 26 item 5)
+def test_a_death_with_one_task_held_is_its_attempt_and_fails_it_at_max_attempts() -> None:
+    q = queue(2, max_attempts=2)
+    assert q.lease("a", 0.0).task_id == "t0"  # type: ignore[union-attr]
+    assert q.worker_died("a", 1.0, "its rollout worker died (ActorDiedError)") == (["t0"], [])
+    assert q.pending_ids() == ["t0", "t1"] and q.suspects() == ["t0"]
+    assert q.lease("b", 2.0).task_id == "t0"  # type: ignore[union-attr]
+    requeued, failed = q.worker_died("b", 3.0, "its rollout worker died again")
+    assert requeued == [] and [f.task_id for f in failed] == ["t0"]
+    [f] = q.failed
+    assert (f.task_id, f.attempts) == ("t0", 2) and f.errors == ["its rollout worker died (ActorDiedError)",
+                                                                  "its rollout worker died again"]
+    assert q.stats()["died"] == 2 and q.stats()["failed"] == 1 and q.suspects() == []
+    assert q.pending_ids() == ["t1"]
+
+
+def test_a_death_with_several_tasks_blames_none_and_runs_each_alone() -> None:
+    q = queue(5, max_attempts=1)
+    assert lease_ids(q, "a", 3) == ["t0", "t1", "t2"]
+    assert lease_ids(q, "b", 1) == ["t3"]
+    assert q.worker_died("a", 1.0, "died") == (["t0", "t1", "t2"], [])
+    assert all(t["attempts"] == 0 for t in q.state_dict()["pending"]) and q.failed == []
+    assert q.suspects() == ["t0", "t1", "t2"] and q.pending_ids() == ["t0", "t1", "t2", "t4"]
+    assert q.lease("b", 2.0) is None, "a busy worker took work while suspects wait (it must drain)"
+    assert q.lease("c", 2.0).task_id == "t0"  # type: ignore[union-attr]  # an idle one takes a suspect, alone
+    assert q.lease("c", 2.0) is None
+    assert q.complete("t0", "c", 3.0) and q.suspects() == ["t1", "t2"]  # innocent: done, no longer suspect
+    assert q.lease("c", 3.0).task_id == "t1"  # type: ignore[union-attr]
+    assert q.complete("t3", "b", 3.0)
+    assert q.lease("b", 3.0).task_id == "t2"  # type: ignore[union-attr]  # b drained: it takes the next one
+    requeued, failed = q.worker_died("b", 4.0, "died (os._exit)")  # alone: blamed, failed (max_attempts 1)
+    assert requeued == [] and [(f.task_id, f.prompt_index) for f in failed] == [("t2", 2)]
+    assert [(f.task_id, f.errors) for f in q.failed] == [("t2", ["died (os._exit)"])]
+    assert q.complete("t1", "c", 5.0) and q.suspects() == []
+    assert lease_ids(q, "b", 1) == ["t4"] and q.lease("b", 5.0) is None  # back to normal leasing
+
+
+def test_suspects_survive_a_checkpoint() -> None:
+    q = queue(3)
+    lease_ids(q, "a", 2)
+    q.worker_died("a", 1.0, "died")
+    q2 = roundtrip(q)
+    assert q2.suspects() == ["t0", "t1"] and q2.pending_ids() == ["t0", "t1", "t2"]
+    assert q2.lease("b", 0.0).task_id == "t0" and q2.lease("b", 0.0) is None  # type: ignore[union-attr]
