@@ -6,6 +6,7 @@
     moerl bench dispatch [--help]
     moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR] [--force] [--timeout S]   # the policy as a Hugging Face directory
     moerl launch configs/demo.toml --scheduler local_cwd     # TorchX: local or EKS (docs/eks.md)
+    moerl --version
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def _config(argv: list[str]) -> int:
         prog="moerl config", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="moerl config CONFIG.toml [--section.key=value ...]",
         description=textwrap.fill("Print the resolved config (defaults < file < overrides) as TOML, after its "
-                                  "checks: every key's type and value, and the task's options against the task's "
-                                  "own option class.", 112),
+                                  "checks: every key's type and value, the task's options against the task's "
+                                  "own option class, the model directory's headers, and the task's data and "
+                                  "tokenizer with its first prompt (exit 2 with one line naming a problem).", 112),
         epilog=config_sections())
     parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
     args, extra = parser.parse_known_args(argv)
@@ -117,6 +119,15 @@ def _config(argv: list[str]) -> int:
         task_config(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
     except TaskError as e:
         print(f"error: config key 'task.options' (or 'task.name'): {redact(str(e))}", file=sys.stderr)
+        return 2
+    from moerl import preflight
+
+    try:  # the inputs `moerl train` reads before Ray starts: the model's headers, the task's data and tokenizer
+        if cfg.model.path:
+            preflight.check_model(cfg.model.path)
+        preflight.check_task(cfg)
+    except Exception as e:  # noqa: BLE001 - PreflightError, TaskError, a reader's error: one line
+        print(f"error: {redact(preflight.one_line(e))}", file=sys.stderr)
         return 2
     plain = config_to_dict(cfg)
     shown = redact_config(plain)  # credentials in a URL, values of secret keys: never printed
@@ -207,6 +218,14 @@ COMMANDS = {"bench": _bench, "config": _config, "export": _export, "launch": _la
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"moerl {version('moerl')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("moerl (not installed: version unknown)")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = argparse.ArgumentParser(prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("command", choices=sorted(COMMANDS))

@@ -390,3 +390,43 @@ def test_inflight_groups_follow_the_engine_batch_unless_set():
     assert load_config(None, ["--rollout.max_inflight_groups=3"]).rollout.inflight_groups() == 3
     with pytest.raises(ConfigError, match="'rollout.max_inflight_groups' must be >= 0"):
         load_config(None, ["--rollout.max_inflight_groups=-1"])
+
+
+# ------------------------------------------------------------------------------------------ moerl config / --version
+def test_moerl_config_refuses_a_missing_data_file_or_model(tmp_path, capsys) -> None:
+    """`moerl config` printed the config and exited 0 for a data file or a model that is not there (issue 27)."""
+    from moerl.cli import main as cli
+
+    demo = str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
+    missing = tmp_path / "none.jsonl"
+    assert cli(["config", demo, "--task.name=moerl.tasks.dataset:DatasetTask", f'--task.options={{path="{missing}"}}']) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "none.jsonl" in err[0] and "not found" in err[0], err
+    assert captured.out == ""
+    assert cli(["config", demo, f"--model.path={tmp_path / 'no-model'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: model.path '{tmp_path / 'no-model'}' does not exist (a Hugging Face checkpoint directory: "
+                   "config.json and *.safetensors; empty = a random model of model.preset)"]
+    assert cli(["config", demo]) == 0 and "[train]" in capsys.readouterr().out
+
+
+def test_moerl_version(capsys) -> None:
+    from importlib.metadata import version
+
+    from moerl.cli import main as cli
+
+    assert cli(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"moerl {version('moerl')}"
+
+
+def test_pyproject_license_is_an_spdx_expression() -> None:
+    """A `license = { text = ... }` table is deprecated (setuptools warns at every install, an error from 2027):
+    an SPDX string, which needs setuptools >= 77 to build."""
+    import re
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    (setuptools,) = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    assert tuple(map(int, re.search(r">=\s*([\d.]+)", setuptools).group(1).split("."))) >= (77,)
