@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from moerl import preflight
+from moerl import local_ray, preflight
 from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.preflight import PreflightError, one_line
@@ -105,7 +105,8 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           data_parallel=t.data_parallel, collective_timeout_s=t.collective_timeout_s,
                           master_dtype=t.master_dtype, micro_batch_tokens=t.micro_batch_tokens,
                           activation_checkpointing=t.activation_checkpointing,
-                          temperature=cfg.rollout.temperature, deterministic=cfg.run.deterministic)
+                          temperature=cfg.rollout.temperature, deterministic=cfg.run.deterministic,
+                          store_host="" if _joins_cluster(cfg) else "127.0.0.1")
     return worker, trainer
 
 
@@ -275,21 +276,27 @@ class StopSignals:
         os.write(2, f"\n{what}: stopping; saving a checkpoint first (Ctrl-C again aborts without saving)\n".encode())
 
 
+def _joins_cluster(cfg: MoerlConfig) -> bool:
+    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
 def _local_ray_auth(cfg: MoerlConfig) -> None:
-    """A private local Ray gets token authentication unless the environment says otherwise: its servers listen
-    on every interface, and with the token nothing else on the network can use them. Ray reads the mode when it
-    is imported, so this runs first; when the caller has imported Ray already, its own setting stands."""
-    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and "ray" not in sys.modules:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    """A private local Ray listens on 127.0.0.1 only and requires a token (unless the environment says otherwise:
+    moerl/local_ray.py). Ray reads both when it is imported, so this runs first; when the caller has imported Ray
+    already, its own settings stand."""
+    local_ray.loopback_env(not _joins_cluster(cfg))
 
 
-def _init_ray(cfg: MoerlConfig) -> bool:
-    """Join `ray.address` (or RAY_ADDRESS), else start a private local Ray on 127.0.0.1; True if we started it."""
+def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken) -> bool:
+    """Join `ray.address` (or RAY_ADDRESS), else start a private local Ray on 127.0.0.1 with the run's own token
+    (`token`, closed by the caller after ray.shutdown); True if we started it."""
     import ray
 
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        token.open()
     init = {"address": address} if address else {
         "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
     env_vars = {"OMP_NUM_THREADS": "1"}
@@ -326,6 +333,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
 
     from moerl.actors.checkpointer import Checkpointer
     from moerl.actors.pools import RayRolloutPool, RayTrainerGroup, TrainerLost
+    from moerl.actors.respawn import RespawnPolicy
     from moerl.actors.weight_sync.sync import RayWeightSync
     from moerl.checkpoint import CheckpointError, serving_files
     from moerl.loop.controller import Controller
@@ -333,7 +341,6 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     from moerl.loop.evaluation import Evaluator
     from moerl.loop.samples import SampleBuilder
     from moerl.loop.work_queue import WorkQueue
-    from moerl.actors.respawn import RespawnPolicy
     from moerl.runlog.mismatch import BehaviourKLWatch
     from moerl.runlog.reporter import RunReporter
 
@@ -354,6 +361,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     signals = StopSignals().install()  # before Ray starts: a Ctrl-C while it starts is a graceful stop too
     stop = signals.event
     ours = not ray.is_initialized()  # Ray is started (or joined) here, so shut down here, however the run ends
+    token = local_ray.RunToken()  # a local Ray's own token file (moerl/local_ray.py), removed after ray.shutdown
     report = None
     t_start = time.monotonic()
     last: dict = {}
@@ -378,7 +386,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
             address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
             report.stage(f"joining Ray at {address}" if address else
                          f"starting a local Ray ({cfg.ray.num_cpus or 'all'} CPUs)")
-        _init_ray(cfg)
+        _init_ray(cfg, token)
         signals.install()  # again: ray.init replaced the SIGTERM handler
         report.stage(f"starting {cfg.train.num_ranks} trainer rank{'s' * (cfg.train.num_ranks > 1)}")
         trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
@@ -451,6 +459,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
             if ours and ray.is_initialized():
                 ray.shutdown()
         finally:
+            token.close()
             if report is not None:
                 report.close()  # waits for the plots
             signals.restore()

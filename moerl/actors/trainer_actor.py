@@ -43,6 +43,9 @@ class TrainerSpec:
     micro_batch_tokens: int = 0
     activation_checkpointing: bool = False
     temperature: float = 1.0  # the rollout's sampling temperature (the behaviour log-probs are under it)
+    # where rank 0 serves the rendezvous stores (which have no authentication): "127.0.0.1" in a local run, whatever
+    # address Ray resolved; "" = this node's address as the cluster knows it (a multi-node run)
+    store_host: str = ""
     deterministic: bool = False  # torch's deterministic algorithms (run.deterministic; CPU only, preflight checks)
 
 
@@ -61,12 +64,12 @@ class TrainerRank:
             self.device = f"cuda:{index}"
 
     def rendezvous(self) -> str:
-        """Rank 0 hosts the group's rendezvous store on its node's address (only there: the store has no
-        authentication) and returns host:port."""
+        """Rank 0 hosts the group's rendezvous store on `store_host` or its node's address (only there: the store
+        has no authentication) and returns host:port."""
         from moerl.actors.weight_sync.broadcast import node_address
         from moerl.rendezvous import host_store
 
-        host = node_address()
+        host = self.spec.store_host or node_address()
         self._store = host_store(host, timeout_s=self.spec.collective_timeout_s)
         return f"{host}:{self._store.port}"
 
@@ -122,7 +125,8 @@ class TrainerRank:
         from moerl.actors.weight_sync.publisher import Publisher
 
         if getattr(self, "_publisher", None) is None:
-            self._publisher = Publisher(self.trainer, self.spec.ep_size > 1, bucket_bytes, timeout_s)
+            self._publisher = Publisher(self.trainer, self.spec.ep_size > 1, bucket_bytes, timeout_s,
+                                        host=self.spec.store_host)
         return self._publisher.publish(version, forms, group)
 
     def export(self, version: int) -> list | None:

@@ -1,7 +1,6 @@
-"""The embedded default's network exposure: a local run's own stores listen on 127.0.0.1 only, and its Ray runs
-with token authentication, so nothing else on the network can use the servers Ray opens on every interface (Ray
-has no setting that binds them all to loopback). The test prints every listener of the run that is not on a
-loopback address."""
+"""The embedded default's network exposure: every listener of a local run (Ray's and moerl's) is on 127.0.0.1,
+and its Ray requires a token of the run's own (moerl/local_ray.py). The test prints every listener of the run
+by its owner."""
 
 from __future__ import annotations
 
@@ -77,6 +76,13 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _title(pid: int) -> str:
+    """A process's title: its program's name (gcs_server, raylet) or the title Ray set (ray::TrainerRank)."""
+    line = _cmdline(pid)
+    program = line.split()[0].rsplit("/", 1)[-1] if line.strip() else ""
+    return program if line.startswith("/") and not program.startswith("python") else line[:60]
+
+
 def test_store_listens_on_its_host_only():
     from moerl.rendezvous import host_store
 
@@ -87,12 +93,20 @@ def test_store_listens_on_its_host_only():
 
 
 @pytest.mark.timeout(240)
-def test_a_local_run_requires_a_ray_token_and_binds_its_stores_to_loopback(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+def test_a_local_run_listens_on_loopback_only_behind_its_own_token(tmp_path):
+    """Every listening socket of the run (the CLI, Ray's GCS, raylet, agents and workers, the trainer's
+    rendezvous store, gloo) is on a loopback address; Ray requires a token that only this run has, from a 0600
+    file. (The trainer's store used to listen on the host's routed IP, Ray's servers on every interface, and Ray's
+    token sat in ~/.ray/auth_token, 0644, shared by every run of the user.)"""
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    home_token = Path.home() / ".ray" / "auth_token"
+    before = home_token.stat().st_mtime_ns if home_token.exists() else None
     run = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", str(REPO / "configs" / "demo.toml"),
                             f"--run.dir={tmp_path}", "--train.steps=400", "--train.sft_steps=0",
                             "--rollout.num_workers=1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    token_dir = None
     try:
         deadline = time.monotonic() + 150
         while not (tmp_path / "metrics.jsonl").exists() or (tmp_path / "metrics.jsonl").stat().st_size < 1:
@@ -101,25 +115,31 @@ def test_a_local_run_requires_a_ray_token_and_binds_its_stores_to_loopback(tmp_p
             time.sleep(0.2)
         pids = _tree(run.pid)
         listeners = _listeners()
-        open_to_network = {}  # "process title": [address] of listeners not on a loopback address
+        by_owner: dict[str, list[str]] = {}  # "pid process title": addresses it listens on
         for pid in pids:
             for inode in _sockets_of(pid) & set(listeners):
-                addr = listeners[inode]
-                if not addr.startswith(("127.", "::1")):
-                    open_to_network.setdefault(_cmdline(pid)[:60], []).append(addr)
-        print(open_to_network)
-        # What listens beyond loopback is Ray's own servers (GCS, raylet, core workers), all behind the token...
-        gcs = [p for p in pids if "gcs_server" in _cmdline(p)]
-        assert gcs and b"RAY_AUTH_MODE=token" in Path(f"/proc/{gcs[0]}/environ").read_bytes().split(b"\0")
-        # ... and the trainer's rendezvous store, which has no authentication, listens on loopback only.
-        trainers = [p for p in pids if _cmdline(p).startswith("ray::TrainerRank")]
-        assert trainers and any(listeners[i].startswith("127.") for i in _sockets_of(trainers[0]) & set(listeners))
+                by_owner.setdefault(f"{pid} {_title(pid)}", []).append(listeners[inode])
+        print(by_owner)
+        assert any("gcs_server" in owner for owner in by_owner) and any("TrainerRank" in o for o in by_owner)
+        open_to_network = {owner: [a for a in addrs if not a.startswith(("127.", "::1"))]
+                           for owner, addrs in by_owner.items()}
+        assert not {o: a for o, a in open_to_network.items() if a}, open_to_network
         # gloo's pair listener sat on the host's IP, unauthenticated: a local run keeps it on loopback.
+        trainers = [p for p in pids if _cmdline(p).startswith("ray::TrainerRank")]
         environ = Path(f"/proc/{trainers[0]}/environ").read_bytes().split(b"\0")
         assert any(e.startswith(b"GLOO_SOCKET_IFNAME=lo") for e in environ)
+        # Ray's token: required, the run's own, in a 0600 file of a 0700 directory (not ~/.ray/auth_token).
+        gcs = [p for p in pids if "gcs_server" in _cmdline(p)]
+        gcs_env = dict(e.split(b"=", 1) for e in Path(f"/proc/{gcs[0]}/environ").read_bytes().split(b"\0") if b"=" in e)
+        assert gcs_env[b"RAY_AUTH_MODE"] == b"token"
+        token = Path(gcs_env[b"RAY_AUTH_TOKEN_PATH"].decode())
+        token_dir = token.parent
+        assert token.stat().st_mode & 0o777 == 0o600 and token_dir.stat().st_mode & 0o777 == 0o700
+        assert (home_token.stat().st_mtime_ns if home_token.exists() else None) == before
     finally:
         run.terminate()
         try:
             run.wait(timeout=90)
         except subprocess.TimeoutExpired:
             run.kill()
+    assert token_dir is not None and not token_dir.exists(), "the run's token outlived it"
