@@ -28,6 +28,7 @@ from typing import Callable
 from moerl.loop.dynamic_sampling import DynamicSampling
 from moerl.loop.evaluation import Evaluator
 from moerl.loop.failures import FailureWatch
+from moerl.loop.first_errors import FirstErrors
 from moerl.loop.phases import PhaseClock
 from moerl.loop.samples import SampleBuilder
 from moerl.loop.types import Checkpoints, GroupResult, GroupTask, RolloutPool, StepInFlight, TrainerGroup, WeightSync
@@ -88,6 +89,7 @@ class Controller:
         self.dynamic = dynamic  # DAPO's dynamic sampling (moerl/loop/dynamic_sampling.py)
         self.failures = FailureWatch(cfg.max_failed_fraction, cfg.failure_window)
         self.watchdog = StepWatchdog(cfg.step_timeout_s, warn)
+        self.first_errors = FirstErrors(warn)  # the first failures said with their prompts (console, error.log)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
@@ -190,6 +192,7 @@ class Controller:
             elif self.queue.complete(task_id, worker_id, now):
                 self.state.counters["groups_done"] += 1
                 self.failures.group_back(result)
+                self.first_errors.group_back(result)
                 self._accept(result)
             else:
                 self.state.counters["late_results"] += 1  # lease expired and was re-leased: drop
@@ -208,6 +211,7 @@ class Controller:
         self.state.counters["groups_failed"] += 1
         self.state.leased_total -= 1  # never trained: its gate slot goes back (see _take_batch)
         self.failures.group_failed(task_id, prompt_index, error)
+        self.first_errors.group_failed(task_id, prompt_index, error)
 
     def _worker_lost(self, worker_id: str, now: float, cause: str) -> None:
         """The worker is gone: its leases go back, and a task it held alone has its death counted as an attempt
