@@ -60,6 +60,7 @@ class Checkpointer:
         self.hf_export = hf_export  # a local directory: every committed step also exported there (HF format)
         self.config = config  # the run's config (secrets masked), in every manifest: --resume compares it
         self._export_note: tuple[str, str] | None = None  # the export's outcome, said by wait() on the loop's thread
+        self._exported = False
 
     def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
         """Start saving `step`. A save that fails is counted and training goes on (the next interval tries
@@ -107,10 +108,16 @@ class Checkpointer:
         try:
             if out.exists():  # a step saved again after a resume: the older export of it goes
                 shutil.rmtree(out)
-            export_policy(self.store.root, str(out), step, dtype=self.dtype, timeout_s=self.store.timeout_s)
+            lacks: list[str] = []  # said with the first export only, not at every save
+            export_policy(self.store.root, str(out), step, dtype=self.dtype, timeout_s=self.store.timeout_s,
+                          warn=lacks.append)
             for old in sorted(p for p in Path(self.hf_export).glob("step-*") if p.is_dir())[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-            self._export_note = ("checkpoint", f"checkpoint step {step} exported (Hugging Face) to {out}")
+            said = self._exported
+            self._exported = True
+            self._export_note = ("checkpoint", f"checkpoint step {step} exported (Hugging Face) to {out}"
+                                 + ("".join(f" ({text.removeprefix(f'{out}: ')})" for text in lacks) if not said
+                                    else ""))
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; only its export failed
             self._export_note = ("warning", f"checkpoint step {step} was saved but its Hugging Face export to {out} "
                                  f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

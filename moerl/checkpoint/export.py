@@ -126,12 +126,13 @@ def export_step(store: CheckpointStore, step: int | None = None) -> int:
 
 def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, dtype: str | None = None,
                   source: str | None = None, timeout_s: float = STORAGE_TIMEOUT_S,
-                  progress: Callable[[str], None] = lambda text: None) -> Path:
+                  progress: Callable[[str], None] = lambda text: None,
+                  warn: Callable[[str], None] | None = None) -> Path:
     """Write the policy of `step` (default: the latest committed) under `out_dir`; returns out_dir.
     dtype: of the written tensors, float32 or bfloat16 (default: the run's model.dtype, else the checkpoint's).
     source: a model or tokenizer directory whose tokenizer files and generation_config.json to write (default:
     those saved with the checkpoint). timeout_s: the deadline of each storage call. progress: hears a line per
-    stage (files and bytes read, what was written). A newest step that is torn is refused, naming the intact
+    stage (files and bytes read, what was written); warn: what the export lacks (default: logged). A newest step that is torn is refused, naming the intact
     one to pass as `step`, rather than exporting an older policy unasked."""
     if source is not None and not Path(source).is_dir():
         raise CheckpointError(f"export source {source!r} is not a directory")
@@ -157,9 +158,10 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, d
             raise CheckpointError(f"{store.step_path(step)}: {name!r} is {got} in the checkpoint, "
                                   f"{list(t.shape)} per its {ARCH_FILE}")
     model.load_state_dict({n: state[n] for n in expected}, strict=True)
+    warn = warn or log.warning
     if any(state[n].any() for n in expected if n.endswith("expert_bias")):  # save_pretrained drops it
-        log.warning("the policy routes with an aux-loss-free expert bias, which the Hugging Face format has no "
-                    "place for: the exported model routes without it")
+        warn("the policy routes with an aux-loss-free expert bias, which the Hugging Face format has no place for: "
+             "the exported model routes without it")
     model.tie_weights()
     out = Path(out_dir)
     if source is not None:
@@ -179,8 +181,8 @@ def export_policy(checkpoint_root: str, out_dir: str, step: int | None = None, d
     if extra:
         progress(f"copied {len(extra)} serving files, {_mib(sum(map(len, extra.values())))}: {', '.join(extra)}")
     if not any(n in extra for n in TOKENIZER_FILES):
-        log.warning("%s: no tokenizer files %s (the run used no tokenizer directory): AutoTokenizer cannot load it; "
-                    "`moerl export --source MODEL_DIR` adds them", out_dir, "given" if source else "in the checkpoint")
+        warn(f"{out_dir}: no tokenizer files {'given' if source else 'in the checkpoint'} (the run used no tokenizer "
+             "directory): AutoTokenizer cannot load it; `moerl export --source MODEL_DIR` adds them")
     return Path(out_dir)
 
 
