@@ -117,9 +117,17 @@ def test_sigterm_saves_and_resume_loses_nothing(tmp_path):
     line = next((x for x in out.splitlines() if x.startswith("stopped at step")), out[-2000:])
     assert line.startswith(f"stopped at step {stopped_at} of 8; resume with: moerl train configs/demo.toml "), line
     assert line.endswith(" --resume"), line
-    _finish(_start(run_dir, "--train.steps=8", "--checkpoint.every=100", "--resume"))
+    # another experiment is refused before anything starts, naming the key (issue 27 item 2)
+    out = _finish(_start(run_dir, "--train.steps=8", "--checkpoint.every=100", "--resume", "--rollout.group_size=2"),
+                  code=2)
+    assert f"checkpoint step {stopped_at} was trained with another experiment: rollout.group_size 4 -> 2" in out
+    out = _finish(_start(run_dir, "--train.steps=8", "--checkpoint.every=100", "--resume"))
+    assert f"resuming from checkpoint step {stopped_at} under {run_dir / 'checkpoints'} (" in out, out[-3000:]
     rows = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     keys = [(r["task_id"], r["sample_index"]) for r in rows]
     assert len(keys) == len(set(keys)), "a sample was trained twice"
     assert max(r["step"] for r in rows) == 8
     assert len(rows) == 8 * 2 * 4  # every step trained a full batch: nothing lost
+    # the last step is saved whatever checkpoint.every says (issue 27 item 1)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000008"
+    assert "the policy is checkpoint step 8" in out
