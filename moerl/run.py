@@ -223,8 +223,10 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             manifest = store.read_manifest(step)
             changes = check_config(manifest, cfg, step, resume_overrides)
             complete = is_complete(step, cfg)
-            notes += resume_statement(step, manifest, preflight.last_logged_step(run_dir),
-                                      [s for s in store.step_dirs() if s > step], changes, store.root)
+            newer = [s for s in store.step_dirs() if s > step]  # the uncommitted ones: saves cut short
+            unsaved = sorted(set(newer) - set(store.committed_steps())) if newer else []
+            notes += resume_statement(step, manifest, preflight.last_logged_step(run_dir), unsaved, changes,
+                                      store.root)
         preflight.check_ray_address(cfg.ray.address or os.environ.get("RAY_ADDRESS", ""), cfg.ray.connect_timeout_s,
                                     lambda text: print(text, file=sys.stderr, flush=True))
         if cfg.run.wandb:

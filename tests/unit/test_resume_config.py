@@ -147,3 +147,14 @@ def test_a_second_ctrl_c_says_the_same(tmp_path, capsys, monkeypatch) -> None:
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == ("aborted at step 7 of 600 by a second Ctrl-C; no checkpoint was saved: nothing to resume; "
                        "start a new run with --run.dir=<another directory> (or delete that one)")
+
+
+def test_resume_step_of_an_older_checkpoint_does_not_call_newer_ones_unsaved(tmp_path, capsys, monkeypatch) -> None:
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 3, [])
+    _checkpoint(run_dir, 6, [])
+    _metrics(run_dir, 6)
+    code, _, seen = _main([f"--run.dir={run_dir}", "--resume-step", "3"], capsys, monkeypatch)
+    assert code == 0 and seen["step"] == 3
+    assert not any("did not finish" in note for note in seen["notes"]), seen["notes"]
+    assert seen["notes"][1].startswith("rolling back 3 logged steps (4-6)")
