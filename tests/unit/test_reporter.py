@@ -207,12 +207,14 @@ def test_non_tty_prints_the_first_line_of_each_phase() -> None:
 def test_rollout_pool_says_which_worker_was_lost_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
     import moerl.actors.pools as pools_mod
     from moerl.actors.pools import RayRolloutPool, _Worker
+    from moerl.actors.respawn import RespawnPolicy
 
     monkeypatch.setattr(pools_mod.ray, "kill", lambda *a, **k: None)  # ray.kill would start a local Ray
 
     events: list[tuple[str, str]] = []
     pool = object.__new__(RayRolloutPool)  # no Ray: only the bookkeeping that emits events
     pool.target, pool._start_failures, pool.on_event = 2, 0, lambda kind, text: events.append((kind, text))
+    pool.respawn = RespawnPolicy(8, 1.0, 60.0)  # what __init__ sets (moerl/actors/respawn.py)
     pool.workers = {"rollout-0": _Worker(handle=None, lost_reason="no heartbeat for 61 s"),
                     "rollout-1": _Worker(handle=None, leaving=True), "rollout-2": _Worker(handle=None)}
     pool._started("rollout-2", pool.workers["rollout-2"])
