@@ -11,7 +11,7 @@
                      a torn one (a file lost or damaged, or a newer step whose COMMIT was) names the newest intact
                      step and stops the run before anything is written
 
-`run.prepare` calls these in that order; `run.main` prints a failure as `error: <message>` and exits 2 before
+`run.prepare` calls these in that order; `train_cli.main` prints a failure as `error: <message>` and exits 2 before
 anything has started. Errors the parts already raise (TaskError, CheckpointError) pass through; the new
 checks raise PreflightError. Nothing here imports Ray.
 """
