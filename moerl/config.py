@@ -178,9 +178,10 @@ class TrainConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no gradient), lease more
     # groups dropped per step at most (0 = 4 x batch_groups); past it all-equal groups are kept, with a warning
     dynamic_sampling_max_extra: int = 0
-    # is/behaviour_kl (per token) over this is said on the console and in error.log, once per episode (0 = off):
-    # bf16 numerics alone stay near 1e-4; far above, the trainer learns from another policy's samples
-    behaviour_kl_bound: float = 0.05
+    # is/behaviour_kl (per token) over this is said on the console and in error.log, once per episode (0 = off).
+    # bf16 numerics alone stay near 1e-4 in sync mode; the demo's async drift peaks near 0.1; a weight-sync bug
+    # read ~10 nats, and an async run on the H200 that collapsed passed 0.4 in its third step
+    behaviour_kl_bound: float = 0.2
     time_limit_s: float = 0.0  # RL ends after this many seconds (saved as on a graceful stop) if `steps` are not done; 0 = none
     # no step for this long ends the run (exit 1), naming what it waits for; warned at each quarter; 0 = off
     step_timeout_s: float = 1800.0
