@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from moerl.bench.common import Row, format_table
+from moerl.runlog.run_log import read_jsonl
 
 GPU_SHAPE = ["--run.device=cuda", "--model.dtype=bfloat16", "--model.preset=medium", "--rollout.num_workers=1",
              "--rollout.gpus_per_worker=0.45", "--train.gpus_per_rank=0.45", "--ray.num_cpus=8",
@@ -125,7 +126,7 @@ def run_mode(args: argparse.Namespace, gpu: bool, mode: str, warm: Path, run_dir
 
 def read_run(run_dir: Path) -> dict:
     """The accuracy curve against RL wall time, and the run's rates, from its metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]
     evals = [r for r in rows if "eval/reward" in r]
     # RL starts when the first step starts; an eval at step s scores the weights that existed when s ended

@@ -17,12 +17,12 @@ tailing off at the end of a batch. The per-phase lines split the async run's ste
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from moerl.bench.common import Row, format_table
+from moerl.runlog.run_log import read_jsonl
 
 GPU_SHAPE = ["--run.device=cuda", "--model.dtype=bfloat16", "--model.preset=medium", "--train.sft_steps=0",
              "--train.optim.lr=1e-6", "--rollout.max_new_tokens=256", "--rollout.max_seq_len=320",
@@ -59,7 +59,7 @@ def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path, extr
 
     cfg = load_config(args.config, _overrides(args, gpu, mode, run_dir, extra))
     train(cfg)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]
     rl = steps[max(1, len(steps) // 5):]  # start-up stays out of every rate
     samples = sum(r.get("samples", 0) for r in rl)

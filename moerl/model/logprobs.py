@@ -32,9 +32,19 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["chunked_token_logprobs", "default_chunk_tokens"]
+__all__ = ["chunked_token_logprobs", "default_chunk_tokens", "token_logprobs_reference"]
 
 _CHUNK_ELEMS = 2**26  # elements of one chunk's fp32 logits: 256 MiB
+
+
+def token_logprobs_reference(hidden_ND: Tensor, weight_VD: Tensor, target_N: Tensor, with_entropy: bool,
+                             temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """The computation `chunked_token_logprobs` replaces, for checks and timings: full [N, V] logits, log_softmax in
+    float32 (float64 for float64 inputs) over all of them, gather (and the entropy)."""
+    logp_NV = torch.log_softmax((hidden_ND @ weight_VD.T).to(torch.promote_types(hidden_ND.dtype, torch.float32))
+                                / temperature, dim=-1)
+    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else None
+    return logp_NV.gather(1, target_N[:, None]).squeeze(1), entropy_N
 
 
 def default_chunk_tokens(vocab: int) -> int:

@@ -24,15 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a sourc
 import torch
 
 from moerl.model.logprobs import chunked_token_logprobs
-
-
-def naive(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, target_N: torch.Tensor, with_entropy: bool,
-          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the trainer did: full logits, fp32 (fp64) log_softmax over all of them, gather."""
-    logp_NV = torch.log_softmax((hidden_ND @ weight_VD.T).to(torch.promote_types(hidden_ND.dtype, torch.float32))
-                                / temperature, dim=-1)
-    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else None
-    return logp_NV.gather(1, target_N[:, None]).squeeze(1), entropy_N
+from moerl.model.logprobs import token_logprobs_reference as naive  # what the trainer did before
 
 
 def inputs(N: int, D: int, V: int, device: str, seed: int = 0):

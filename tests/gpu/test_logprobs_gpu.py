@@ -18,6 +18,7 @@ import torch
 from gpu_helpers import rel_err
 
 from moerl.model.logprobs import chunked_token_logprobs
+from moerl.model.logprobs import token_logprobs_reference as naive  # what the trainer did before
 
 # scripts/gpu/logprobs_check.py's bounds. bf16: the logits come out of a bf16 GEMM and grad_z is rounded to bf16
 # for the tensor-core GEMMs, ~1e-2 on the grads at tau = 0.7 (the naive bf16 computation has the same error);
@@ -31,15 +32,6 @@ def no_tf32(device, monkeypatch):
     """float32 bounds mean float32 GEMMs, whatever an earlier test set."""
     if device.type == "cuda":
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-
-
-def naive(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, target_N: torch.Tensor, with_entropy: bool,
-          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the trainer did: full logits, fp32 (fp64) log_softmax over all of them, gather."""
-    logp_NV = torch.log_softmax((hidden_ND @ weight_VD.T).to(torch.promote_types(hidden_ND.dtype, torch.float32))
-                                / temperature, dim=-1)
-    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else None
-    return logp_NV.gather(1, target_N[:, None]).squeeze(1), entropy_N
 
 
 def chunked(hidden_ND, weight_VD, target_N, with_entropy, **kw):
