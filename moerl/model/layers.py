@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moerl.kernels.norm import add_rms_norm, rms_norm
 from moerl.model.config import MoEModelConfig
 from moerl.model.packing import PackedSeqs, PaddedIndex
 
@@ -27,10 +28,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, exactly as HF does, so logits agree.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # HF's numerics (float32, cast back before the weight); one Triton kernel on the no-grad CUDA path.
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): a residual add and this norm, fused into one kernel where `forward` is."""
+        return add_rms_norm(h, delta, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -80,8 +80,10 @@ class DecoderLayer(nn.Module):
     def _forward(self, h_BTD: torch.Tensor, rope, cache: KVCacheLayer | None, attn_mask: torch.Tensor | None,
                  replay_TK: torch.Tensor | None, with_aux_loss: bool,
                  packed: PackedSeqs | None) -> tuple[torch.Tensor, MoEOutput | None]:
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), rope, cache, attn_mask, packed)
-        x_BTD = self.post_attention_layernorm(h_BTD)
+        # h + attention and its norm: one kernel on the no-grad CUDA path, the same torch ops elsewhere. The
+        # attention output is an argument, not a local, so it is freed before the MLP runs (as it was before).
+        h_BTD, x_BTD = self.post_attention_layernorm.add_and_norm(
+            h_BTD, self.self_attn(self.input_layernorm(h_BTD), rope, cache, attn_mask, packed))
         if not self.is_moe:
             return h_BTD + self.mlp(x_BTD), None
         B, T, _ = x_BTD.shape
