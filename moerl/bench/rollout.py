@@ -14,7 +14,11 @@ at the 30B shape: a second 61 GB copy of the weights does not fit next to ours).
 generated after each request's first token / time after the last first token. The HBM floor of one decode step
 is the bytes of the weights the batch touches (attention, the experts its tokens route to, the router, the
 lm_head; embedding rows aside) plus the KV cache at the mean context, over the measured device copy bandwidth;
-the table gives the floor as tok/s and our fraction of it."""
+the table gives the floor as tok/s and our fraction of it. The prefill floor is the FLOPs of every prompt token
+(`prefill_flops`) over the measured matmul peak, against the time from submit to the last first token. Beside
+the floors, the decode step split (moerl/bench/step_split.py; --no-split skips it): a few eager decode steps
+profiled, each kernel put in experts, attention, dense GEMMs, norms, router, dispatch, sampling, other or
+unclassified, and the host's share of the timed step."""
 
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ from typing import Callable
 
 import torch
 
-from moerl.bench.common import Row, device_description, format_table, measure_copy_bandwidth, synchronize
+from moerl.bench import step_split
+from moerl.bench.common import (Row, device_description, format_table, measure_copy_bandwidth, measure_matmul_peak,
+                                synchronize)
 from moerl.model import MoECausalLM, MoEModelConfig, build_model, tiny_config
 from moerl.model.layers import RMSNorm
 from moerl.rollout import Engine, EngineConfig, SamplingParams
@@ -113,6 +119,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "floor (default 4800 on an H200, else none); the first is over the measured copy bandwidth")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     p.add_argument("--profile", action="store_true", help="print the top ops of 5 decode steps")
+    p.add_argument("--no-split", action="store_true", help="skip the decode step split (a few profiled eager steps)")
     p.add_argument("--ep-size", type=int, default=1, help="ranks of an expert-parallel engine group (spawned, or "
                    "torchrun's); > 1 compares it with one engine: see moerl/bench/rollout_ep.py")
     return p.parse_args(argv)
@@ -172,6 +179,16 @@ def _profile_decode(engine: Engine, prompts, device, temperature: float) -> None
         engine.step()
 
 
+def _measure_split(engine: Engine, prompts, new_tokens: int, temperature: float):
+    """The decode step split, or None with one line saying why (a profiler failure costs the split only)."""
+    try:
+        return step_split.measure(engine, prompts, new_tokens, temperature)
+    except Exception as e:  # noqa: BLE001 - the bench's own numbers still print
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        print(f"decode step split failed, skipped: {type(e).__name__}: {first}")
+        return None
+
+
 def _hf_model(model, impl: str = "grouped_mm"):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -229,6 +246,21 @@ def decode_step_bytes(config: MoEModelConfig, batch: int, context: int, bytes_pe
     return weights * bytes_per, kv * bytes_per
 
 
+def prefill_flops(config: MoEModelConfig, prompt_len: int) -> tuple[float, float]:
+    """(FLOPs to prefill one prompt, active parameters per token). 2 x the parameters each token multiplies
+    (attention projections, the router and top-k experts, or a dense MLP), causal attention's scores and values
+    (4 H d per query-key pair, position i sees i + 1 keys) and the lm_head at the last position only (the
+    engine prefills with last_logits_only). Norms, rope and softmaxes are left out: under 1% at these shapes."""
+    D, H, G, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    attn = D * d * (2 * H + 2 * G)
+    moe = config.num_experts * D + config.num_experts_per_tok * 3 * D * config.moe_intermediate_size
+    dense = 3 * D * config.intermediate_size
+    active = sum(attn + (moe if config.is_moe_layer(i) else dense) for i in range(config.num_hidden_layers))
+    pairs = prompt_len * (prompt_len + 1) // 2
+    flops = 2 * active * prompt_len + config.num_hidden_layers * 4 * H * d * pairs + 2 * config.vocab_size * D
+    return float(flops), float(active)
+
+
 def _size(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
@@ -273,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = _run_engine(engine, model, prompts, N, T)
         if args.profile:
             _profile_decode(engine, prompts, device, T)
+        split = None if args.no_split else _measure_split(engine, prompts, N, T)
     except torch.OutOfMemoryError as e:
         free, total = torch.cuda.mem_get_info(device) if gpu else (0, 0)
         print(f"out of device memory at preset {name} with {R} requests x {P + N} positions: "
@@ -301,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             if peer is None or res["decode_tok_s"] > peer["decode_tok_s"]:
                 peer, peer_name = res, cache
     copy_bw = measure_copy_bandwidth(device)
+    prefill, active = prefill_flops(config, P)
+    prefill_floor_s = R * prefill / measure_matmul_peak(device, dtype)
     step_s = 1.0 / (ours["decode_tok_s"] / R)
     weight_bytes, kv_bytes = decode_step_bytes(config, R, P + N // 2, torch.finfo(dtype).bits // 8)
     floor_s = (weight_bytes + kv_bytes) / copy_bw
@@ -311,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             ceiling=R / floor_s),
         Row("HBM floor (decode)", R / floor_s, None, "tok/s"),
         Row("end-to-end throughput", R * N / ours["total_s"], R * N / peer["total_s"] if peer else None, "tok/s"),
+        Row("prefill, all prompts", R * P / ours["all_first_s"], R * P / peer["ttft_s"] if peer else None, "tok/s",
+            ceiling=R * P / prefill_floor_s),
         Row("mean time to first token", ours["ttft_s"] * 1e3, peer["ttft_s"] * 1e3 if peer else None, "ms",
             higher_is_better=False),
         Row("decode step", step_s * 1e3, None, "ms"),
@@ -327,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
         peak_floor_s = (weight_bytes + kv_bytes) / peak_bw
         print(f"at the datasheet {peak_bw / 1e12:.1f} TB/s: floor {R / peak_floor_s:,.0f} tok/s "
               f"({peak_floor_s * 1e3:.3f} ms/step); ours is {peak_floor_s / step_s * 100:.1f}% of it")
+    print(f"prefill floor: {R} x {P} prompt tokens x {prefill / P / 1e9:.3g} GFLOP/token (2 x {_size(active)} "
+          f"active parameters, causal attention, lm_head at the last position) = {R * prefill / 1e12:.3g} TFLOP over "
+          f"the measured matmul peak {R * prefill / prefill_floor_s / 1e12:.3g} TFLOP/s: "
+          f"{prefill_floor_s * 1e3:.3g} ms; "
+          f"ours from submit to the last first token {ours['all_first_s'] * 1e3:.1f} ms "
+          f"({prefill_floor_s / ours['all_first_s'] * 100:.1f}% of the floor's speed), "
+          f"mean TTFT {ours['ttft_s'] * 1e3:.1f} ms")
+    if split is not None:
+        print(step_split.format_split(split, step_s * 1e3, ours["graphs"]))
     if peer is not None and T == 0:
         # Greedy outputs should agree; in bf16 a near-tie can flip a token and with it the rest of a sequence.
         same = sum(a == b for a, b in zip(ours["tokens"], peer["tokens"]))
