@@ -5,8 +5,8 @@
 Shape legend: R rows, D normalised dim, T tokens, E experts, K experts per token.
 
 The kernels round as the torch expressions do, step by step, so the norms are compared bit for bit: the residual
-sum must be equal, the normed rows equal but for the order of the sum of squares (a 1-ulp float32 difference in
-the scale, which a bf16 output shows in about 1e-5 of its elements; a float32 output in many, by a few ulps). The
+sum must be equal, the normed rows equal but for the order of the sum of squares (a few-ulp float32 difference in
+the scale, which a bf16 output shows in about 1e-4 of its elements; a float32 output in many, by a few ulps). The
 router must choose the same experts in the same order on rows without near-ties (score gaps > 1e-6), with weights
 within a bf16 ulp. Each case reports its bitwise-equal fraction. On CUDA the Triton wrappers are counted (a check
 that silently took the torch path fails); the CPU smoke run (MOERL_GPU_SUITE_ON_CPU=1) runs the same code on the
@@ -89,15 +89,26 @@ def norm_inputs(device, dtype, rows: int, dim: str, seed: int):
     return h, delta, w
 
 
-def check_normed(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
-    """The bitwise-equal fraction; bf16/fp16 within 1 ulp and at least 99.9% equal, float32 within 16 ulps."""
+def check_normed(got: torch.Tensor, want: torch.Tensor, what: str, act_dtype: torch.dtype | None = None) -> float:
+    """The bitwise-equal fraction, after the bounds. float32 activations: within 64 ulps (the scale's sum order).
+    bf16 activations: the normalised value's rounding to bf16 flips in ~1e-4 of the elements, by one bf16 ulp,
+    which the weight product carries: at least 99.9% equal, a bf16 output within 2 ulps, a promoted float32
+    output (float32 weight) within one bf16 ulp relative."""
+    act_dtype = act_dtype or got.dtype
     assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
     assert torch.isfinite(got).all(), f"{what}: non-finite output"
-    frac, worst = equal_fraction(got, want), int(ulps(got, want).max()) if got.numel() else 0
-    if got.dtype == torch.float32:
-        assert worst <= 16, f"{what}: {worst} ulps from the reference ({frac:.4%} bitwise equal)"
+    if not got.numel():
+        return 1.0
+    frac, worst = equal_fraction(got, want), int(ulps(got, want).max())
+    if act_dtype == torch.float32:
+        assert worst <= 64, f"{what}: {worst} ulps from the reference ({frac:.4%} bitwise equal)"
+        return frac
+    assert frac >= 0.999, f"{what}: only {frac:.4%} bitwise equal (worst {worst} ulps)"
+    if got.dtype == act_dtype:
+        assert worst <= 2, f"{what}: {worst} ulps from the reference ({frac:.4%} bitwise equal)"
     else:
-        assert worst <= 1 and frac >= 0.999, f"{what}: {frac:.4%} bitwise equal, worst {worst} ulps"
+        rel = float(((got - want).abs() / want.abs().clamp_min(1e-30)).max())
+        assert rel <= 2 ** -7, f"{what}: {rel:.1e} relative from the reference ({frac:.4%} bitwise equal)"
     return frac
 
 
@@ -131,7 +142,8 @@ def test_norm_strided_rows_and_mixed_dtypes(device, dtype, triton_calls):
     for weight in (w.to(dtype), w):
         with torch.no_grad():
             got = rms_norm(h_BTD[:, -1:], weight, EPS)
-        check_normed(got, rms_norm_reference(h_BTD[:, -1:], weight, EPS), f"strided {dtype} x {weight.dtype} weight")
+        want = rms_norm_reference(h_BTD[:, -1:], weight, EPS)
+        check_normed(got, want, f"strided {dtype} x {weight.dtype} weight", act_dtype=dtype)
     assert_triton_ran(triton_calls, device, ["rms_norm_triton"])
 
 
@@ -148,7 +160,7 @@ def router_logits(device, dtype, T: int, E: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("T", ROWS)
 def test_router_topk_matches_reference(device, dtype, E, T, triton_calls, report):
     """The same experts (as a set and in order) on rows whose top K+1 scores are > 1e-6 apart, weights within a
-    bf16 ulp (float32: 8 ulps), with and without renormalisation and the expert bias."""
+    bf16 ulp (float32: 16 ulps), with and without renormalisation and the expert bias."""
     if device.type != "cuda" and T > 7:
         pytest.skip("the CPU smoke runs the small shapes only")
     K = 8
@@ -175,7 +187,7 @@ def test_router_topk_matches_reference(device, dtype, E, T, triton_calls, report
                 f"(of {int(clear_T.sum())} rows without near-ties)")
             same_T = (idx_TK == want_idx_TK).all(1)
             worst = int(ulps(w_TK[same_T], want_w_TK[same_T]).max()) if same_T.any() else 0
-            assert worst <= (8 if dtype == torch.float32 else 1), f"{case}: weights {worst} ulps from the reference"
+            assert worst <= (16 if dtype == torch.float32 else 1), f"{case}: weights {worst} ulps from the reference"
             lines.append(f"norm={int(norm_topk_prob)},bias={int(bias is not None)}: "
                          f"{equal_fraction(w_TK[same_T], want_w_TK[same_T]):.4f}")
     assert_triton_ran(triton_calls, device, ["router_topk_triton"])
@@ -219,7 +231,9 @@ def test_kernels_capture_in_a_cuda_graph(device):
         with torch.cuda.graph(graph):
             outs = step()
         h2, delta2, _ = norm_inputs(device, torch.bfloat16, 256, "D2048", seed=3)
-        h.copy_(h2), delta.copy_(delta2), logits_TE.copy_(router_logits(device, torch.bfloat16, 256, 128, seed=4))
+        h.copy_(h2)
+        delta.copy_(delta2)
+        logits_TE.copy_(router_logits(device, torch.bfloat16, 256, 128, seed=4))
         graph.replay()
         want = step()
     for got, ref in zip(outs, want, strict=True):
