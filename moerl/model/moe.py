@@ -17,9 +17,19 @@ from torch import nn
 from moerl.ep.dispatcher import Dispatcher, LocalDispatcher
 from moerl.ep.permute import count_per_expert
 from moerl.kernels import swiglu
+from moerl.kernels.fused_moe import fused_moe, fused_moe_unavailable
 from moerl.model.config import MoEModelConfig
 
-ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
+# "fused": the Triton decode path (moerl/kernels/fused_moe.py), forward only; "auto" takes it at decode sizes.
+ExpertsImpl = Literal["auto", "grouped_mm", "loop", "fused"]
+
+# Up to this many tokens `auto` runs the fused path under no_grad. Decode batches (<= 512 rows) sit well inside.
+# At 1024 tokens the 30B-A3B shape (128 experts, top-8) averages 64 rows per expert: the layer is still bound by
+# reading the experts' weights (arithmetic intensity ~64 flop/byte, under the H200's ~160), which the fused path
+# reads once without permute copies, and vLLM serves this size with its Triton kernel too. Larger prefill chunks
+# turn compute-bound, where CUTLASS's grouped GEMM tiles win. A reasoned bound, not yet a measured crossover:
+# `moerl bench moe-decode --tokens 512,1024,2048` measures both paths there.
+FUSED_MAX_TOKENS = 1024
 
 
 def is_expert_param(name: str) -> bool:
@@ -125,8 +135,9 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
 
     def forward(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        # "fused" is a whole-block path (SparseMoEBlock routes around this call); called alone it acts as auto.
         use_grouped = self.impl == "grouped_mm" or (
-            self.impl == "auto" and grouped_mm_available(x_ND) and self._grouped_mm_aligned(x_ND)
+            self.impl in ("auto", "fused") and grouped_mm_available(x_ND) and self._grouped_mm_aligned(x_ND)
         )
         if use_grouped:
             offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
@@ -190,7 +201,37 @@ class SparseMoEBlock(nn.Module):
         topk_idx_TK = routed.topk_idx_TK
         if self.capacity_factor > 0:
             topk_idx_TK = apply_capacity(topk_idx_TK, self.gate.num_experts, self.capacity_factor)
+        if self._use_fused(x_TD):  # no dispatch/combine copies: the kernels gather token rows themselves
+            out_TD = fused_moe(x_TD, topk_idx_TK, routed.topk_weights_TK, self.experts.gate_up_proj,
+                               self.experts.down_proj)
+            return MoEOutput(out_TD, routed.topk_idx_TK, routed.aux_loss, routed.counts_E)
         x_ND, counts_L, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, routed.topk_weights_TK)
         y_ND = self.experts(x_ND, counts_L)
         out_TD = self.dispatcher.combine(y_ND, handle)
         return MoEOutput(out_TD, routed.topk_idx_TK, routed.aux_loss, routed.counts_E)
+
+    def _use_fused(self, x_TD: torch.Tensor) -> bool:
+        """Forced ("fused"): always, or a ValueError saying why not. Auto: without autograd, bf16/fp16 on CUDA,
+        at most FUSED_MAX_TOKENS tokens, wherever the path can run."""
+        impl = self.experts.impl
+        if impl == "fused":
+            reason = self._fused_refusal(x_TD)
+            if reason is not None:
+                raise ValueError(f"experts_impl='fused' cannot run here: {reason}")
+            return True
+        return (impl == "auto" and not torch.is_grad_enabled() and x_TD.dtype in (torch.bfloat16, torch.float16)
+                and x_TD.shape[0] <= FUSED_MAX_TOKENS and self._fused_refusal(x_TD) is None)
+
+    def _fused_refusal(self, x_TD: torch.Tensor) -> str | None:
+        reason = fused_moe_unavailable(x_TD)
+        if reason is not None:
+            return reason
+        if not isinstance(self.dispatcher, LocalDispatcher) or self.dispatcher.world_size != 1:
+            return f"it holds every expert on one rank, the dispatcher is {type(self.dispatcher).__name__}"
+        if self.capacity_factor > 0 or self.dispatcher.may_drop:
+            return "it routes every pair, capacity drops are on"
+        if self.experts.gate_up_proj.dtype != x_TD.dtype or self.experts.down_proj.dtype != x_TD.dtype:
+            return f"expert weights are {self.experts.gate_up_proj.dtype}, activations {x_TD.dtype}"
+        if torch.is_grad_enabled() and (x_TD.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return "it has no backward, run it under torch.no_grad()"
+        return None
