@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
-           "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint",
+           "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint", "moe-decode": "moerl.bench.moe_decode",
            "train": "moerl.bench.train", "loop": "moerl.bench.loop", "learn": "moerl.bench.learn"}
 
 
