@@ -3,9 +3,9 @@ printed as the literal of moerl/kernels/fused_moe.py's `_CONFIGS`.
 
 Per bucket (one representative T) and row-block size BLOCK_M, stage 1 times each kernel's tiles (BLOCK_N x
 BLOCK_K) at 4 warps and 3 stages; the BLOCK_M with the least gate_up + down time wins (one alignment serves
-both kernels); stage 2 varies warps, stages and row-block grouping around each kernel's best tile. At most ~31
-configs per bucket and kernel; most binaries are shared between buckets and shapes (only constexprs differ), so
-compiles, not timings, dominate. Each config is timed alone in a CUDA graph over L copies of the weights (HBM,
+both kernels); stage 2 varies warps, stages and row-block grouping around each kernel's best tile. At most 32
+configs per bucket and kernel. A binary is keyed by its constexprs (the tile, warps, stages), which buckets and
+shapes share, so there are ~100 compiles in all; they, not the timings, dominate. Each config is timed alone in a CUDA graph over L copies of the weights (HBM,
 not L2, as in decode); a config that fails to compile or launch is skipped.
 """
 
@@ -24,7 +24,7 @@ BUCKET_TOKENS = {"1": 1, "2-16": 16, "17-64": 64, "65-256": 256, "257+": 512}
 BLOCK_MS = {"1": (16,), "2-16": (16,), "17-64": (16, 32), "65-256": (16, 32, 64), "257+": (32, 64, 128)}
 BLOCK_NS = {"gate_up": (32, 64, 128), "down": (64, 128, 256)}  # gate_up loads two weight tiles of BLOCK_N
 WEIGHT_TILES = {"gate_up": 2, "down": 1}
-WARPS_STAGES = ((4, 3), (4, 2), (4, 4), (8, 3), (8, 4))  # stage 1 runs the first
+WARPS_STAGES = ((4, 3), (4, 2), (4, 4), (4, 5), (8, 3), (8, 4))  # stage 1 runs the first
 GROUPS = (1, 8)
 KERNELS = ("gate_up", "down")
 
