@@ -12,6 +12,7 @@ output are stored in the activation dtype, and the K slots are mixed in float32 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import NamedTuple
 
@@ -76,9 +77,9 @@ def shared_memory(cfg: KernelConfig, weight_tiles: int, element_size: int) -> in
     return cfg.num_stages * (cfg.block_m + weight_tiles * cfg.block_n) * cfg.block_k * element_size
 
 
-def _fit(cfg: KernelConfig, weight_tiles: int, element_size: int) -> KernelConfig:
+def _fit(cfg: KernelConfig, weight_tiles: int, element_size: int, budget: int) -> KernelConfig:
     """Fewer stages, then a shorter reduction step, until the pipeline fits (float32 doubles the bf16 tiles)."""
-    while shared_memory(cfg, weight_tiles, element_size) > SHARED_MEMORY_BYTES:
+    while shared_memory(cfg, weight_tiles, element_size) > budget:
         if cfg.num_stages > 2:
             cfg = cfg._replace(num_stages=cfg.num_stages - 1)
         elif cfg.block_k > 32:
@@ -88,13 +89,26 @@ def _fit(cfg: KernelConfig, weight_tiles: int, element_size: int) -> KernelConfi
     return cfg
 
 
-def fused_moe_configs(E: int, D: int, I: int, T: int, element_size: int = 2) -> tuple[KernelConfig, KernelConfig]:
-    """(gate_up config, down config) for this shape, number of tokens and activation element size."""
+def fused_moe_configs(E: int, D: int, I: int, T: int, element_size: int = 2,
+                      shared_memory_bytes: int = SHARED_MEMORY_BYTES) -> tuple[KernelConfig, KernelConfig]:
+    """(gate_up config, down config) for this shape, number of tokens, activation element size and shared memory
+    per block (a smaller GPU's fits by fewer stages)."""
+    return _configs(E, D, I, m_bucket(T), element_size, shared_memory_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _configs(E: int, D: int, I: int, bucket: str, element_size: int, budget: int) -> tuple[KernelConfig, KernelConfig]:
     table = _CONFIGS.get((E, D, I), _CONFIGS[_DEFAULT_SHAPE])
-    bucket = m_bucket(T)
-    gate_up = _fit(_clamp(KernelConfig(*table["gate_up"][bucket]), I, D), 2, element_size)
-    down = _fit(_clamp(KernelConfig(*table["down"][bucket]), D, I), 1, element_size)
+    gate_up = _fit(_clamp(KernelConfig(*table["gate_up"][bucket]), I, D), 2, element_size, budget)
+    down = _fit(_clamp(KernelConfig(*table["down"][bucket]), D, I), 1, element_size, budget)
     return gate_up, down
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_memory_budget(device_index: int) -> int:
+    """The table's budget, or less on a GPU with less shared memory per block (8 KB left to Triton's own use)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return min(SHARED_MEMORY_BYTES, getattr(props, "shared_memory_per_block_optin", 232448) - 8 * 1024)
 
 
 def max_row_blocks(M: int, E: int, block_m: int) -> int:
@@ -169,5 +183,6 @@ def fused_moe(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, w_TK: torch.Tensor,
     from moerl.kernels.triton_fused_moe import fused_moe_triton
 
     E, D, I = down_EDI.shape[0], down_EDI.shape[1], down_EDI.shape[2]
-    configs = configs or fused_moe_configs(E, D, I, x_TD.shape[0], x_TD.element_size())
+    budget = _shared_memory_budget(x_TD.device.index if x_TD.device.index is not None else 0)
+    configs = configs or fused_moe_configs(E, D, I, x_TD.shape[0], x_TD.element_size(), budget)
     return fused_moe_triton(x_TD, topk_idx_TK, w_TK, gate_up_EFD, down_EDI, *configs)
