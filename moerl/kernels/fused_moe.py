@@ -186,3 +186,31 @@ def fused_moe(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, w_TK: torch.Tensor,
     budget = _shared_memory_budget(x_TD.device.index if x_TD.device.index is not None else 0)
     configs = configs or fused_moe_configs(E, D, I, x_TD.shape[0], x_TD.element_size(), budget)
     return fused_moe_triton(x_TD, topk_idx_TK, w_TK, gate_up_EFD, down_EDI, *configs)
+
+
+# Token counts the self-check runs: one per M bucket, so every configuration the table gives this shape compiles.
+_CHECK_TOKENS = (1, 5, 40, 200, 300)
+
+
+@torch.no_grad()
+def fused_moe_self_check(gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, top_k: int) -> str | None:
+    """None when the Triton path matches `fused_moe_reference` on these weights at one token count per M bucket,
+    else why not (a compile or launch error, or the relative error). Run eagerly, once per shape, before any decode
+    graph is captured: a kernel that fails leaves the block on the grouped GEMM path instead of wrong experts."""
+    E, D = down_EDI.shape[0], down_EDI.shape[1]
+    gen = torch.Generator(device=gate_up_EFD.device).manual_seed(0)
+    try:
+        for T in _CHECK_TOKENS:
+            x_TD = torch.randn(T, D, generator=gen, device=gate_up_EFD.device).to(gate_up_EFD.dtype)
+            idx_TK = torch.rand(T, E, generator=gen, device=x_TD.device).topk(min(top_k, E), dim=-1).indices
+            w_TK = torch.softmax(torch.randn(idx_TK.shape, generator=gen, device=x_TD.device), -1).to(x_TD.dtype)
+            got_TD = fused_moe(x_TD, idx_TK, w_TK, gate_up_EFD, down_EDI).float()
+            want_TD = fused_moe_reference(x_TD, idx_TK, w_TK, gate_up_EFD, down_EDI).float()
+            err = float((got_TD - want_TD).norm() / want_TD.norm().clamp_min(1e-30))
+            if not err <= (1e-4 if x_TD.dtype == torch.float32 else 2e-2):
+                return f"at {T} tokens it differs from its reference by {err:.2e} (relative)"
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure: the grouped path still computes right
+        return f"it failed at {T} tokens: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return None

@@ -6,6 +6,8 @@ N rows for the local experts (grouped by expert), D hidden size, I expert interm
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -17,7 +19,8 @@ from torch import nn
 from moerl.ep.dispatcher import Dispatcher, LocalDispatcher
 from moerl.ep.permute import count_per_expert
 from moerl.kernels import swiglu
-from moerl.kernels.fused_moe import fused_moe, fused_moe_unavailable
+from moerl.kernels.fused_moe import fused_moe, fused_moe_self_check, fused_moe_unavailable
+from moerl.kernels.router import router_topk
 from moerl.model.config import MoEModelConfig
 
 # "fused": the Triton decode path (moerl/kernels/fused_moe.py), forward only; "auto" takes it at decode sizes.
@@ -66,6 +69,10 @@ class TopKRouter(nn.Module):
         self, x_TD: torch.Tensor, replay_idx_TK: torch.Tensor | None = None, with_aux_loss: bool = False
     ) -> RouterOutput:
         logits_TE = F.linear(x_TD, self.weight)
+        if replay_idx_TK is None and not with_aux_loss:  # one sort-free kernel on the no-grad CUDA path
+            bias_E = self.expert_bias if self.bias_enabled else None
+            topk_idx_TK, topk_weights_TK = router_topk(logits_TE, self.top_k, self.norm_topk_prob, bias_E)
+            return RouterOutput(topk_idx_TK, topk_weights_TK, None, count_per_expert(topk_idx_TK, self.num_experts))
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         if replay_idx_TK is not None:
             # Routing replay: recompute on the experts the rollout chose; gradients reach the router
@@ -220,7 +227,21 @@ class SparseMoEBlock(nn.Module):
                 raise ValueError(f"experts_impl='fused' cannot run here: {reason}")
             return True
         return (impl == "auto" and not torch.is_grad_enabled() and x_TD.dtype in (torch.bfloat16, torch.float16)
-                and x_TD.shape[0] <= FUSED_MAX_TOKENS and self._fused_refusal(x_TD) is None)
+                and x_TD.shape[0] <= FUSED_MAX_TOKENS and self._fused_refusal(x_TD) is None and self._fused_checked())
+
+    def _fused_checked(self) -> bool:
+        """Auto's last condition: the kernels passed their self-check at this block's shape (once per process and
+        shape; the engine's first forwards are eager, so it never runs inside a graph capture)."""
+        experts = self.experts
+        verdict = _fused_verdict(experts.gate_up_proj.device, experts.gate_up_proj.dtype, *experts.down_proj.shape,
+                                 self.gate.top_k)
+        if verdict.reason is None and not verdict.done:
+            verdict.reason = fused_moe_self_check(experts.gate_up_proj, experts.down_proj, self.gate.top_k)
+            verdict.done = True
+            if verdict.reason is not None:
+                logging.getLogger(__name__).warning("the fused MoE decode path is off at %s: %s; decode runs the "
+                                                    "grouped GEMM path", tuple(experts.down_proj.shape), verdict.reason)
+        return verdict.reason is None
 
     def _fused_refusal(self, x_TD: torch.Tensor) -> str | None:
         reason = fused_moe_unavailable(x_TD)
@@ -235,3 +256,16 @@ class SparseMoEBlock(nn.Module):
         if torch.is_grad_enabled() and (x_TD.requires_grad or any(p.requires_grad for p in self.parameters())):
             return "it has no backward, run it under torch.no_grad()"
         return None
+
+
+@dataclass
+class _FusedVerdict:
+    done: bool = False
+    reason: str | None = None  # why the fused path failed its self-check
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_verdict(device: torch.device, dtype: torch.dtype, E: int, D: int, I: int, K: int) -> _FusedVerdict:
+    """One self-check verdict per process and shape, shared by every block of that shape (a model's 48 layers
+    check once, on the first block's weights)."""
+    return _FusedVerdict()
