@@ -135,6 +135,18 @@ def test_fused_agrees_with_grouped_mm(device, blocks, shape, report):
 
 
 @pytest.mark.cuda_only
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_self_check_passes(device, blocks, shape, report):
+    """Auto takes the fused path only after this check; a failure here means decode silently ran grouped GEMMs."""
+    from moerl.kernels.fused_moe import fused_moe_self_check
+
+    _, block = blocks(shape, torch.bfloat16)
+    reason = fused_moe_self_check(block.experts.gate_up_proj, block.experts.down_proj, block.gate.top_k)
+    report(f"fused MoE self-check [{shape}] bf16: {'passed' if reason is None else reason}")
+    assert reason is None, reason
+
+
+@pytest.mark.cuda_only
 def test_auto_picks_fused_at_decode_without_grad(device, blocks, monkeypatch):
     import moerl.model.moe as moe
 
