@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from moerl.rollout.sampling import SamplingBatch, sampling_hints
+from moerl.rollout.sampling import SamplingBatch
 
 
 @dataclass
@@ -44,7 +44,7 @@ class DecodeBatch:
         host[:, 1] = [r.tokens[-1] for r in reqs]
         host[:, 2] = [r.num_computed for r in reqs]
         host[:, 3:] = table_RW.numpy()[slots, :width]
-        rows_BC = staged.to(self.ids_B.device, non_blocking=True)  # staging is reused only after the step's sync
+        rows_BC = staging.upload(staged, self.ids_B.device)
         rows = rows_BC[:, 0]
         self.ids_B.zero_()
         self.pos_B.zero_()
@@ -53,42 +53,94 @@ class DecodeBatch:
         self.pos_B[rows] = rows_BC[:, 2]
         self.table_BW[rows, :width] = rows_BC[:, 3:]
         self.sampling.position_B[rows] = rows_BC[:, 2] + 1  # decoding: len(tokens) = num_computed + 1
-        new = [r for r in reqs if self.owners[r.slot] is not r]
+        self._own(reqs, [len(r.tokens) for r in reqs])
+
+    def fill_next(self, plan, table_RW: torch.Tensor, staging: HostStaging) -> None:
+        """Write the inputs of a planned step (decode_pipeline.DecodePlan) whose tokens may still be on the device:
+        a row's input id is the token its request sampled in `plan.prev`, read there by table row (a joiner's
+        comes from the host). A row whose token was one of its stop tokens (and past min_new_tokens) finished:
+        it becomes a padding row (id 0, position 0, the null block), exactly the row the host would have
+        written had it read the token first, so the step computes what a step filled after the read computes."""
+        width = plan.width
+        num_stops = max(1, max(len(r.params.stop_token_ids) for r in plan.rows))
+        staged = staging.take(len(plan.rows), 4 + width + num_stops)
+        host = staged.numpy()
+        host[:, 0] = plan.slots
+        host[:, 1] = plan.pos
+        host[:, 2] = plan.stoppable
+        host[:, 3] = plan.host_token
+        host[:, 4: 4 + width] = table_RW.numpy()[plan.slots, :width]
+        host[:, 4 + width:] = [r.params.stop_token_ids + (-1,) * (num_stops - len(r.params.stop_token_ids))
+                               for r in plan.rows]
+        rows_RC = staging.upload(staged, self.ids_B.device)
+        slot_R, pos_R, table_RW_dev = rows_RC[:, 0], rows_RC[:, 1], rows_RC[:, 4: 4 + width]
+        prev_B = plan.prev.token_B  # a joiner's slot may lie past it: clamped, then its host id is taken
+        token_R = torch.where(rows_RC[:, 3] >= 0, rows_RC[:, 3], prev_B[slot_R.clamp(max=prev_B.shape[0] - 1)])
+        stopped_R = (rows_RC[:, 2] != 0) & (token_R[:, None] == rows_RC[:, 4 + width:]).any(dim=1)
+        keep_R = (~stopped_R).long()
+        self.ids_B.zero_()
+        self.pos_B.zero_()
+        self.table_BW.zero_()
+        self.ids_B[slot_R] = token_R * keep_R
+        self.pos_B[slot_R] = pos_R * keep_R
+        self.table_BW[slot_R, :width] = table_RW_dev * keep_R[:, None]
+        self.sampling.position_B[slot_R] = pos_R + 1
+        self._own(plan.rows, [p + 1 for p in plan.pos], plan.slots)
+
+    def _own(self, reqs: list, positions: list[int], slots: list[int] | None = None) -> None:
+        """Write the sampling settings of the rows another request held before (one copy per field)."""
+        slots = [r.slot for r in reqs] if slots is None else slots
+        new = [i for i, (r, s) in enumerate(zip(reqs, slots)) if self.owners[s] is not r]
         if new:
-            self.sampling.set_rows([r.slot for r in new], [r.params for r in new], [r.seed for r in new],
-                                   [len(r.tokens) for r in new])
-            for r in new:
-                self.owners[r.slot] = r
+            self.sampling.set_rows([slots[i] for i in new], [reqs[i].params for i in new],
+                                   [reqs[i].seed for i in new], [positions[i] for i in new])
+            for i in new:
+                self.owners[slots[i]] = reqs[i]
 
 
 class HostStaging:
-    """A reused host int64 buffer for decode inputs: pinned on CUDA (so the copy is asynchronous)."""
+    """Host int64 buffers for decode inputs: pinned on CUDA, so the copy is asynchronous. Two of them, used in
+    turn, each handed out again only once the device has copied it (an event recorded after its copy): with
+    overlapped decode the next step's inputs are written while the previous step's copy may still be queued."""
 
     def __init__(self, device: torch.device, min_numel: int) -> None:
         self.pin, self.min_numel = device.type == "cuda", min_numel
-        self.buf: torch.Tensor | None = None
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]
+        self.turn = 0
 
     def take(self, rows: int, cols: int) -> torch.Tensor:
-        need = rows * cols
-        if self.buf is None or self.buf.numel() < need:
-            self.buf = torch.empty(max(need, self.min_numel), dtype=torch.long, pin_memory=self.pin)
-        return self.buf[:need].view(rows, cols)
+        self.turn ^= 1
+        need, buf = rows * cols, self.bufs[self.turn]
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()  # its last copy has left it
+        if buf is None or buf.numel() < need:
+            buf = self.bufs[self.turn] = torch.empty(max(need, self.min_numel), dtype=torch.long,
+                                                     pin_memory=self.pin)
+        return buf[:need].view(rows, cols)
+
+    def upload(self, staged: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The staged rows on the device (on the CPU, the buffer itself: it is read before the next take)."""
+        out = staged.to(device, non_blocking=True)
+        if self.pin:
+            event = self.events[self.turn] = self.events[self.turn] or torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        return out
 
 
-# fill(reqs, n, batch): write the batch's inputs into the static tensors in place.
-FillInputs = Callable[[list, int, DecodeBatch], None]
 # decode(batch, kv_len, hints) -> (token_B, logprob_B, routing_BLK): what is captured.
 DecodeFn = Callable[..., tuple]
 
 
 class DecodeGraphs:
-    """Captures `decode` once per (bucket, sampling variant) and replays it; `run` returns None when capture
-    failed (the caller then decodes eagerly)."""
+    """Captures `decode` once per (bucket, sampling variant); `prepare` returns the graph with its static input
+    batch and outputs, or None when capture failed (the caller then decodes eagerly). The caller fills the
+    batch (DecodeBatch.fill or fill_next) and replays."""
 
     def __init__(self, max_batch_size: int, width: int, kv_len: int, device: torch.device,
-                 fill_inputs: FillInputs, decode: DecodeFn) -> None:
+                 decode: DecodeFn) -> None:
         self.width, self.kv_len, self.device = width, kv_len, device
-        self.fill_inputs, self.decode = fill_inputs, decode
+        self.decode = decode
         self.buckets = []
         b = 1
         while b < max_batch_size:
@@ -99,11 +151,11 @@ class DecodeGraphs:
         self.pool = None
         self.disabled_reason: str | None = None
 
-    def run(self, reqs, n: int):
+    def prepare(self, n: int, hints: dict):
+        """(graph, batch, outputs) of the smallest bucket holding n rows, captured on first use; or None."""
         bucket = next(b for b in self.buckets if b >= n)
         # One graph per (bucket, sampling variant): greedy-only batches skip the noise, unfiltered ones the sort,
         # top-k batches sort only their top_k_cap candidates.
-        hints = sampling_hints(reqs)
         key = (bucket, *sorted(hints.items()))
         if self.disabled_reason is None and key not in self.captured:
             try:
@@ -113,10 +165,7 @@ class DecodeGraphs:
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.disabled_reason}")
         if self.disabled_reason is not None:
             return None
-        graph, batch, outs = self.captured[key]
-        self.fill_inputs(reqs, bucket, batch)
-        graph.replay()
-        return outs
+        return self.captured[key]
 
     def _capture(self, n: int, hints: dict):
         batch = DecodeBatch.empty(n, self.width, self.device)

@@ -12,7 +12,8 @@ cached, so a continuation (a prefix from an aborted request) is just a longer pr
 kept, and a request preempted when decode runs out of blocks goes back to the front of the queue as one.
 
 The cache's size comes from the memory plan (memory.py). Decode on CUDA runs as captured CUDA graphs (one per
-batch-size bucket) when `cuda_graphs` is on.
+batch-size bucket) when `cuda_graphs` is on. With `overlap_decode` the next decode step is launched before the
+current one's tokens are read, so the host's bookkeeping runs while the device computes (decode_pipeline.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from moerl import kernels
 from moerl.kernels import use_triton
 from moerl.model.transformer import MoECausalLM
 from moerl.rollout.block_pool import ROOT
-from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs, HostStaging
+from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs
+from moerl.rollout.decode_pipeline import DecodePipeline, DecodePlan
 from moerl.rollout.kv_cache import PagedKVCache
 from moerl.rollout.memory import plan_for_device
 from moerl.rollout.sampling import SamplingBatch, SamplingParams, fused_sampler_ok, sample, sampling_hints
@@ -56,6 +58,10 @@ class EngineConfig:
     kv_cache_tokens: int = 0
     gpu_memory_fraction: float = 0.9  # CUDA: the share of the GPU for weights + activation reserve + KV cache
     prefix_caching: bool = True  # requests whose prompts share full blocks share their keys/values
+    # Launch decode step N+1 before reading step N's tokens (they stay on the device), so the host's bookkeeping
+    # of step N runs while the device computes N+1. Same tokens, log-probs, versions and routing as without it,
+    # bit for bit (docs/rollout.md, decode_pipeline.py). On CPU it gains nothing; it runs the same logic.
+    overlap_decode: bool = True
 
 
 @dataclass
@@ -75,6 +81,7 @@ class _Request:
     chain: int | None = ROOT  # prefix cache: content id of its last keyed block (None: keys no more)
     num_keyed: int = 0  # its leading blocks keyed in the prefix cache
     finish_reason: str | None = None
+    decodable_from: int = 0  # the step (Engine.steps) from which it may decode: the one after its admission/prefill
 
     @property
     def pending(self) -> int:
@@ -112,21 +119,23 @@ class Engine:
             self.cache.decode_kernel = kernels.paged_decode_ok(self.device, self.dtype, arch.num_attention_heads,
                                                                arch.num_key_value_heads, arch.head_dim,
                                                                config.kv_block_size)
-        # decode inputs' host buffer, at its largest: every row, 3 ints + a full block table row
-        self._staging = HostStaging(self.device, config.max_batch_size * (3 + self.cache.width))
         self.waiting: list[_Request] = []
         self.running: dict[str, _Request] = {}  # id -> request, in admission order (the newest is preempted first)
         self.by_id: dict[str, _Request] = {}
         self._finished_at_submit: list[_Request] = []  # complete prefixes: the next step() reports them
         self._ids = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self.steps = 0  # step() calls (start_step phases) so far
         width = self.cache.width
         self.graphs = (DecodeGraphs(config.max_batch_size, width, width * config.kv_block_size, self.device,
-                                    self.decode_inputs, self.decode_forward)
+                                    self.decode_forward)
                        if config.cuda_graphs and self.device.type == "cuda" else None)
-        # prefill_tokens: positions computed by prefill; prefix_hit_tokens: positions found in the prefix cache
+        # prefill_tokens: positions computed by prefill; prefix_hit_tokens: positions found in the prefix cache;
+        # overlap_steps: decode steps launched before the previous one was read; overlap_discarded: such
+        # launches dropped unread (an abort, new weights, all its rows stopped: see decode_pipeline.py)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefix_hit_tokens": 0,
-                      "preemptions": 0}
+                      "preemptions": 0, "overlap_steps": 0, "overlap_discarded": 0}
+        self.pipeline = DecodePipeline(self, config.overlap_decode)
 
     @staticmethod
     def _check_config(config: EngineConfig) -> None:
@@ -212,6 +221,7 @@ class Engine:
         req = self.by_id.get(request_id)
         if req is None:
             raise KeyError(f"no request {request_id!r} in the engine")
+        self.pipeline.forget(req)  # a step launched ahead for it is waited for before its blocks are freed
         req.finish_reason = req.finish_reason or "abort"
         return self._release(req)
 
@@ -233,6 +243,7 @@ class Engine:
             if tuple(tensor.shape) != tuple(state[name].shape):
                 raise ValueError(f"update_weights: {name!r} has shape {list(tensor.shape)}, "
                                  f"the model's is {list(state[name].shape)}")
+        self.pipeline.drain()  # no step in flight reads half-copied weights; one launched ahead ran the old ones
         for name, tensor in items:
             state[name].copy_(tensor)
         self.version = version
@@ -249,7 +260,10 @@ class Engine:
         """One scheduling step: admit, prefill chunks, one decode forward. Returns per-request deltas.
 
         Written as phases (start_step, prefill_batches/run_prefill, decode_batch/run_decode, finish) so that an
-        expert-parallel engine group (engine_group.py) can run the same step with its forwards in lockstep."""
+        expert-parallel engine group (engine_group.py) can run the same step with its forwards in lockstep.
+        A request whose prefill ends in a step (sampling its first token) decodes from the next step on: every
+        decode step's rows are then fixed when the step before it is planned (decode_pipeline.py), with or
+        without overlap_decode."""
         outputs = self.start_step()
         for n, reqs in self.prefill_batches():
             self.run_prefill(reqs, n, outputs)
@@ -262,6 +276,7 @@ class Engine:
 
     def start_step(self) -> dict[str, StepOutput]:
         """Admit waiting requests; the outputs of this step so far (requests that finished at submit)."""
+        self.steps += 1
         self._admit()
         outputs: dict[str, StepOutput] = {}
         finished, self._finished_at_submit = self._finished_at_submit, []
@@ -293,6 +308,7 @@ class Engine:
             free.pop(0)
             self.waiting.remove(req)
             self.running[req.id] = req
+            req.decodable_from = self.steps + 1  # even with its whole prompt cached: see step()
             self.stats["prefix_hit_tokens"] += req.num_computed
 
     def prefill_batches(self) -> list[tuple[int, list[_Request]]]:
@@ -320,6 +336,7 @@ class Engine:
         self.cache.store_routing(slots, pos_BT, out.routed_experts_BTLK.to(torch.int16).cpu())
         for req in reqs:
             req.num_computed += n
+            req.decodable_from = self.steps + 1  # see step(): a prefilled request decodes from the next step
             self.cache.computed(req, req.num_computed - n)
         self.stats["prefill_tokens"] += n * len(reqs)
         ready = [i for i, r in enumerate(reqs) if r.pending == 0]
@@ -330,26 +347,12 @@ class Engine:
     def decode_batch(self) -> list[_Request]:
         """The requests this step decodes (one uncomputed token each), with a block for their next position
         (making room may preempt the newest running requests)."""
-        return self._make_room([r for r in self.running.values()
-                                if r.pending == 1 and r.num_computed > 0 and not r.finish_reason])
+        return self.pipeline.decode_batch()
 
     def run_decode(self, reqs: list[_Request], outputs: dict[str, StepOutput]) -> None:
-        """One decode forward over reqs (not empty): sample each one's next token."""
-        n = max(r.slot for r in reqs) + 1
-        out = self.graphs.run(reqs, n) if self.graphs is not None else None
-        token_B, logprob_B, routing_BLK = out if out is not None else self._decode_eager(reqs, n)
-        token_B, logprob_B, routing_BLK = token_B.cpu(), logprob_B.cpu(), routing_BLK.to(torch.int16).cpu()
-        # One vectorised write of every row's routing into the blocks of its position.
-        slots = [r.slot for r in reqs]
-        routing_BLK = torch.from_numpy(routing_BLK.numpy()[slots])
-        self.cache.store_routing(slots, torch.tensor([[r.num_computed] for r in reqs]), routing_BLK[:, None])
-        tokens, logprobs = token_B.tolist(), logprob_B.tolist()  # two host lists, not 2 x 256 tensor indexings
-        for req in reqs:
-            req.num_computed += 1
-            self.cache.computed(req, req.num_computed - 1)
-            self._append(req, tokens[req.slot], logprobs[req.slot], outputs)
-        self.stats["decode_tokens"] += len(reqs)
-        self.stats["decode_steps"] += 1
+        """One decode forward over reqs (not empty): sample each one's next token (overlapped: the next step is
+        launched before this one's tokens are read; decode_pipeline.py)."""
+        self.pipeline.run_decode(reqs, outputs)
 
     def _make_room(self, reqs: list[_Request]) -> list[_Request]:
         """A block for each decoding request's next position, oldest request first; when none is free, preempt
@@ -362,6 +365,7 @@ class Engine:
     def _preempt(self, req: _Request) -> None:
         """Free req's blocks and put it back at the front of the queue as a continuation of its own tokens: its
         sampled tokens, log-probs, versions and routing so far are kept, and its seed keys the same noise."""
+        self.pipeline.forget(req)
         req.prefix_routing = self._routing(req)
         del self.running[req.id]
         self.cache.free(req)
@@ -369,9 +373,13 @@ class Engine:
         self.waiting.insert(0, req)
         self.stats["preemptions"] += 1
 
-    def decode_inputs(self, reqs: list[_Request], n: int, batch: DecodeBatch) -> None:
-        """Fill a padded decode batch of n rows from reqs (what the decode graphs call before a replay)."""
-        batch.fill(reqs, self.cache.table_RW, self._staging)
+    def decode_inputs(self, source: list[_Request] | DecodePlan, batch: DecodeBatch) -> None:
+        """Fill a padded decode batch from requests whose last token is on the host, or from a plan whose input
+        ids are the previous step's sampled ids, still on the device (what the pipeline calls before a launch)."""
+        if isinstance(source, DecodePlan):
+            batch.fill_next(source, self.cache.table_RW, self.pipeline.staging)
+        else:
+            batch.fill(source, self.cache.table_RW, self.pipeline.staging)
 
     def decode_forward(self, batch: DecodeBatch, kv_len: int, hints: dict | None = None):
         """The decode computation: a forward over a padded batch, then sampling (what the graphs capture)."""
@@ -388,12 +396,6 @@ class Engine:
         activations alive (a dropped decorator once grew memory ~9 GB per 400 decode steps)."""
         return self.model.forward_full(ids_BT, **kwargs)
 
-    def _decode_eager(self, reqs: list[_Request], n: int):
-        batch = DecodeBatch.empty(n, max(len(r.blocks) for r in reqs), self.device)
-        self.decode_inputs(reqs, n, batch)
-        kv_len = max(r.num_computed for r in reqs) + 1
-        return self.decode_forward(batch, kv_len, sampling_hints(reqs))
-
     def _sample_and_append(self, reqs: list[_Request], logits_BV: torch.Tensor, outputs) -> None:
         sampling = SamplingBatch.empty(len(reqs), self.device)
         sampling.set_rows(list(range(len(reqs))), [r.params for r in reqs], [r.seed for r in reqs],
@@ -402,11 +404,13 @@ class Engine:
         for r, tok, lp in zip(reqs, token_B.tolist(), logprob_B.tolist()):
             self._append(r, tok, lp, outputs)
 
-    def _append(self, req: _Request, token: int, logprob: float, outputs: dict[str, StepOutput]) -> None:
+    def _append(self, req: _Request, token: int, logprob: float, outputs: dict[str, StepOutput],
+                version: int | None = None) -> None:
+        """version: of the weights that computed the token (a decode step's own, recorded at its launch)."""
         req.tokens.append(token)
         req.generated.append(token)
         req.logprobs.append(logprob)
-        req.versions.append(self.version)
+        req.versions.append(self.version if version is None else version)
         out = outputs.setdefault(req.id, StepOutput(req.id, [], []))
         out.new_token_ids.append(token)
         out.new_logprobs.append(logprob)

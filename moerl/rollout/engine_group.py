@@ -23,8 +23,10 @@ computes and returns the rows the other ranks route to this rank's experts. The 
 on other ranks, so it skips them.
 
 Not supported yet with P > 1: CUDA-graph decode (turned off here: the all_to_all dispatcher reads its splits
-on the host, which a graph cannot capture; symm_mem could be captured, untested) and deterministic mode (its
-rescoring forward at release would need matching across ranks too; refused).
+on the host, which a graph cannot capture; symm_mem could be captured, untested), overlapped decode (turned off:
+a rank may launch a step ahead and then discard it, and its peers would have to run that forward too; the
+group's all_reduces each step are host syncs anyway) and deterministic mode (its rescoring forward at release
+would need matching across ranks too; refused).
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ class EngineGroup:
                                  f"group has {self.size}: build or load it with expert_parallel_group=<this group>")
         if self.size > 1 and config.deterministic:
             raise ValueError("EngineConfig.deterministic is not supported with expert parallelism (ep_size > 1) yet")
-        if self.size > 1 and config.cuda_graphs:
-            config = dataclasses.replace(config, cuda_graphs=False)  # see the module docstring
+        if self.size > 1 and (config.cuda_graphs or config.overlap_decode):
+            # see the module docstring; overlapped decode launches steps it may discard, and every rank must run
+            # the same forwards: a group decodes one step at a time
+            config = dataclasses.replace(config, cuda_graphs=False, overlap_decode=False)
         self.engine = Engine(model, config, version=version, group_member=True)
         # NCCL reduces device tensors only; gloo host tensors.
         self._agree_device = self.engine.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")

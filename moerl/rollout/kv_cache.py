@@ -119,9 +119,12 @@ class PagedKVCache:
         self._key(req, len(tokens) // P, ready=False)  # claim the full blocks its prefill will compute
         return "ok"
 
-    def grow(self, req) -> bool:
-        """Make room for the next decode write (position num_computed); False when no block is free."""
-        if req.num_computed < len(req.blocks) * self.block_size:
+    def grow(self, req, pos: int | None = None) -> bool:
+        """Make room for a decode write at `pos` (default: the next one, num_computed; at most one block past
+        req's blocks): one more block when pos is past them. False when none is free. The decode pipeline grows
+        for the step after the current one before it knows the current tokens (a block does not depend on them)."""
+        pos = req.num_computed if pos is None else pos
+        if pos < len(req.blocks) * self.block_size:
             return True
         if self.pool.num_free == 0:
             return False

@@ -120,14 +120,23 @@ class SamplingBatch:
         )
 
     def set_rows(self, rows: list[int], params: list[SamplingParams], seeds: list[int], positions: list[int]) -> None:
-        """Write several rows with one host-to-device copy per field (not one per row)."""
+        """Write several rows with two host-to-device copies (ints, floats), not one per row or field. On CUDA
+        from pinned memory, without waiting: a blocking copy of pageable memory waits for the stream, which
+        would make the host wait for a decode step launched ahead (decode_pipeline.py)."""
         dev = self.seed_B.device
-        index = torch.tensor(rows, device=dev)
-        self.temperature_B[index] = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev)
-        self.top_p_B[index] = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
-        self.top_k_B[index] = torch.tensor([p.top_k for p in params], dtype=torch.long).to(dev)
-        self.seed_B[index] = torch.tensor(seeds, dtype=torch.long).to(dev)
-        self.position_B[index] = torch.tensor(positions, dtype=torch.long).to(dev)
+        ints_4R = torch.tensor([rows, [p.top_k for p in params], seeds, positions], dtype=torch.long)
+        floats_2R = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
+        if dev.type == "cuda":  # the pinned buffers are kept by torch's host allocator until their copies ran
+            ints_4R = ints_4R.pin_memory().to(dev, non_blocking=True)
+            floats_2R = floats_2R.pin_memory().to(dev, non_blocking=True)
+        else:
+            ints_4R, floats_2R = ints_4R.to(dev), floats_2R.to(dev)
+        index = ints_4R[0]
+        self.temperature_B[index] = floats_2R[0]
+        self.top_p_B[index] = floats_2R[1]
+        self.top_k_B[index] = ints_4R[1]
+        self.seed_B[index] = ints_4R[2]
+        self.position_B[index] = ints_4R[3]
 
 
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch, *, all_greedy: bool = False,

@@ -278,9 +278,10 @@ def test_abort_and_continue_on_new_engine(model, sampling, steps_before_abort, c
     assert len(partial.logprobs) == len(partial.versions) == len(partial.token_ids)
     if partial.token_ids:
         assert partial.routed_experts.shape[0] == len(prompt) + len(partial.token_ids) - 1
-    # Prefill takes ceil(11 / chunk) steps; the step that finishes it samples a token and decodes one more.
+    # Prefill takes ceil(11 / chunk) steps; the step that finishes it samples a token, and decode starts with the
+    # next step (Engine.step: a request decodes from the step after its prefill).
     prefill_steps = -(-len(prompt) // chunk)
-    want = steps_before_abort - prefill_steps + 2 if steps_before_abort >= prefill_steps else 0
+    want = steps_before_abort - prefill_steps + 1 if steps_before_abort >= prefill_steps else 0
     assert len(partial.token_ids) == want
     assert rid not in engine.by_id and other in engine.by_id
     with pytest.raises(KeyError, match=rid):
@@ -442,7 +443,7 @@ def test_update_to_same_weights_switches_version_only(model):
         for out in engine.step():
             assert out.completion is None
             k += len(out.new_token_ids)
-    assert k == 4  # the first step samples after prefill and decodes once more; then one token a step
+    assert k == 3  # the first step samples after prefill; then one decoded token a step
     engine.update_weights({n: t.clone() for n, t in model.state_dict().items()}, version=7)
     assert engine.version == 7
     done = run_to_end(engine)

@@ -194,7 +194,7 @@ def test_graph_shaped_decode_equals_eager(model):
     engine = paged(model, max_batch_size=5, kv_cache_tokens=48)
     c = engine.config
     engine.graphs = EagerGraphs(c.max_batch_size, engine.cache.width, engine.cache.width * c.kv_block_size,
-                                engine.device, engine.decode_inputs, engine.decode_forward)
+                                engine.device, engine.decode_forward)
     for a, b in zip(engine.generate(prompts, params), want):
         assert_same_completion(a, b, logprob_tol=1e-6)
     assert {key[0] for key in engine.graphs.captured} >= {4, 5} and engine.stats["preemptions"] > 0
