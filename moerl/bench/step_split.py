@@ -50,11 +50,12 @@ class Rule:
 # First match wins within each tier; case is ignored. Names are CUDA kernels as the profiler shows them
 # (torch's, cuBLAS', CUTLASS', our Triton kernels' function names) and aten ops on a CPU run.
 RULES: tuple[Rule, ...] = (
-    Rule("experts", r"fused_moe|grouped_mm|GroupProblemShape|grouped_gemm|moe_gemm|swiglu", True),
+    # moerl/kernels/triton_fused_moe.py's kernels: _gate_up_swiglu_kernel, _down_kernel, _align_{count,scatter}_kernel
+    Rule("experts", r"fused_moe|grouped_mm|GroupProblemShape|grouped_gemm|moe_gemm|swiglu|^_down_kernel$", True),
     Rule("attention", r"paged_decode|flash|fmha|attention|sdpa", True),
     Rule("norms", r"rms_?norm|layer_?norm|triton_\w*fused\w*rsqrt", True),  # Inductor names its fused ops
     Rule("router", r"router", True),
-    Rule("dispatch", r"moe_align|gather_weighted_sum|moe_permute|moe_unpermute|moe_sum|ExpandTokens|combine", True),
+    Rule("dispatch", r"moe_align|_align_(count|scatter)_kernel|gather_weighted_sum|moe_permute|moe_unpermute|moe_sum|ExpandTokens|combine", True),
     Rule("sampling", r"gumbel|multinomial", True),
     Rule("router", r"topk", False),  # before "gather": torch's top-k kernel is sbtopk::gatherTopK
     Rule("sampling", r"log_?softmax|argmax", False),  # the vocabulary log-softmax; the router's is a softmax

@@ -19,6 +19,10 @@ NAMES = {
     "cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecialized<4> > > > >(...)": "experts",
     "_fused_moe_gate_up_kernel": "experts",
     "_fused_moe_down_kernel": "experts",
+    "_gate_up_swiglu_kernel": "experts",  # moerl/kernels/triton_fused_moe.py's, as the H200 profile names them
+    "_down_kernel": "experts",
+    "_align_count_kernel": "dispatch",
+    "_align_scatter_kernel": "dispatch",
     "_swiglu_forward_kernel": "experts",
     "aten::_grouped_mm": "experts",
     # attention: the paged decode kernel, flash and memory-efficient SDPA, SDPA on a CPU
