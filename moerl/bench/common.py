@@ -96,3 +96,32 @@ def device_description(device: torch.device) -> str:
     import platform
 
     return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (the "with sparsity" figures halved), TFLOP/s. Matched on
+# the device name, most specific first: an H100 NVL or PCIe is not an SXM part.
+DATASHEET_BF16_TFLOPS: tuple[tuple[str, float, str], ...] = (
+    ("H200", 989.5, "NVIDIA H200 Tensor Core GPU datasheet, SXM: 1,979 TFLOP/s bf16 with sparsity"),
+    ("H100 NVL", 835.5, "NVIDIA H100 datasheet, NVL: 1,671 TFLOP/s bf16 with sparsity"),
+    ("H100 PCIe", 756.5, "NVIDIA H100 datasheet, PCIe: 1,513 TFLOP/s bf16 with sparsity"),
+    ("H100", 989.5, "NVIDIA H100 datasheet, SXM: 1,979 TFLOP/s bf16 with sparsity"),
+    ("A100", 312.0, "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense"),
+)
+
+
+def datasheet_bf16_peak(device: torch.device) -> tuple[float, str] | None:
+    """(dense bf16 FLOP/s, its source) for a GPU in the table above, else None (a CPU, an unlisted GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next(((tflops * 1e12, source) for key, tflops, source in DATASHEET_BF16_TFLOPS if key in name), None)
+
+
+def mfu_line(label: str, flops_per_s: float, measured_peak: float, datasheet: tuple[float, str] | None) -> str:
+    """MFU against the datasheet peak (named, with its source) and against the measured matmul peak, one line."""
+    measured = f"{100 * flops_per_s / measured_peak:.1f}% of the measured matmul peak {measured_peak / 1e12:.0f} TFLOP/s"
+    if datasheet is None:
+        return f"{label} MFU: {measured}; no datasheet peak for this device"
+    peak, source = datasheet
+    return (f"{label} MFU: {100 * flops_per_s / peak:.1f}% of the datasheet bf16 peak {peak / 1e12:.0f} TFLOP/s "
+            f"({source}); {measured}")

@@ -11,7 +11,9 @@ tokens; the peer also runs on the largest batch that fits (halving from the full
 too, so their tokens/s compare on equal inputs.
 
 MFU counts model FLOPs only (6 x active parameters per token, lm_head included, plus causal attention), not
-the recompute of activation checkpointing, over the bf16 matmul rate measured in the same run.
+the recompute of activation checkpointing. The table's MFU rows are over the bf16 matmul rate measured in the
+same run; a line under it gives ours against the device's datasheet dense bf16 peak too (named, with its source:
+`moerl.bench.common.DATASHEET_BF16_TFLOPS`), both on one line.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import time
 
 import torch
 
-from moerl.bench.common import Row, device_description, format_table, measure_matmul_peak, synchronize
+from moerl.bench.common import (Row, datasheet_bf16_peak, device_description, format_table, measure_matmul_peak,
+                                mfu_line, synchronize)
 from moerl.model import build_model, tiny_config
 from moerl.model.config import MoEModelConfig
 from moerl.train.config import LossConfig, OptimConfig
@@ -175,6 +178,8 @@ def main(argv: list[str]) -> int:
     samples = _samples(n, seq, prompt, arch)
     rows: list[Row] = []
     notes: list[str] = []
+    mfu_lines: list[str] = []
+    datasheet = datasheet_bf16_peak(device)
     try:
         ours = run_ours(arch, samples, args, device, budget)
     except torch.OutOfMemoryError:
@@ -191,6 +196,7 @@ def main(argv: list[str]) -> int:
         rows.append(Row(f"{label} MFU", 100 * tok * flops_tok / ours_t[0] / peak_flops,
                         100 * tok * flops_tok / p[0] / peak_flops if p else None, "%", ceiling=100.0))
         rows.append(Row(f"{label} peak memory", ours_t[1], p[1] if p else None, "GB", higher_is_better=False))
+        mfu_lines.append(mfu_line(f"{label} ours", tok * flops_tok / ours_t[0], peak_flops, datasheet))
         if not p:
             notes.append(f"{label}: the peer did not run ({peer_t})")
     add(f"{n}x{seq}", ours, peer, n)
@@ -205,6 +211,6 @@ def main(argv: list[str]) -> int:
             m //= 2
     print(format_table(f"one RL optimizer step ({tokens:,} tokens in the full batch)", rows,
                        peer_name="transformers+AdamW"))
-    for note in notes:
-        print(note)
+    for line in mfu_lines + notes:
+        print(line)
     return 0

@@ -14,6 +14,15 @@ def test_bench_train_prints_ours_and_the_peer(capsys):
                  "--steps", "1", "--micro-batch-tokens", "40"]) == 0
     out = capsys.readouterr().out
     assert "2x32 tokens/s" in out and "transformers+AdamW" in out and "MFU" in out
+    assert "2x32 ours MFU:" in out and "of the measured matmul peak" in out and "no datasheet peak" in out
+
+
+def test_mfu_line_names_the_datasheet_peak_and_the_measured_one():
+    from moerl.bench.common import mfu_line
+
+    line = mfu_line("128x2048 ours", 300e12, 750e12, (989.5e12, "NVIDIA H200 Tensor Core GPU datasheet"))
+    assert line == ("128x2048 ours MFU: 30.3% of the datasheet bf16 peak 990 TFLOP/s (NVIDIA H200 Tensor Core GPU "
+                    "datasheet); 40.0% of the measured matmul peak 750 TFLOP/s")
 
 
 def test_flops_count_active_experts_and_the_head():
