@@ -69,7 +69,14 @@ RULES: tuple[Rule, ...] = (
                   r"as_strided|unsqueeze|squeeze|transpose|expand|contiguous|clone|item|_local_scalar_dense|"
                   r"resolve_conj|resolve_neg|lift_fresh|detach|alias)_?$", False),
 )
-_COMPILED = tuple((r, re.compile(r.pattern, re.IGNORECASE)) for r in RULES)
+
+
+def compile_rules(rules: tuple[Rule, ...]) -> tuple[tuple[Rule, re.Pattern], ...]:
+    """A rule table ready for `classify` (bench train's split has its own table: moerl/bench/train_split.py)."""
+    return tuple((r, re.compile(r.pattern, re.IGNORECASE)) for r in rules)
+
+
+_COMPILED = compile_rules(RULES)
 
 # Module class names (or a module's attribute name) -> category; names, not imports, so a renamed class
 # degrades to the name rules instead of breaking the bench.
@@ -88,10 +95,11 @@ TAG = "moerl.split::"
 NEUTRAL = "-"
 
 
-def classify(name: str, scope: str | None = None) -> str:
-    """The category of a kernel or op called `name` that ran inside a module of category `scope` (None: none)."""
+def classify(name: str, scope: str | None = None, rules: tuple[tuple[Rule, re.Pattern], ...] = _COMPILED) -> str:
+    """The category of a kernel or op called `name` that ran inside a module of category `scope` (None: none):
+    a specific name rule, else the scope, else a generic name rule, else "unclassified"."""
     generic = None
-    for rule, pattern in _COMPILED:
+    for rule, pattern in rules:
         if pattern.search(name):
             if rule.specific:
                 return rule.category
@@ -121,6 +129,22 @@ class Split:
 @contextlib.contextmanager
 def labelled(engine) -> Iterator[None]:
     """Profiler ranges around the model's labelled modules and the engine's decode methods, removed after."""
+    with label_modules(engine.model, SCOPES, SCOPE_METHODS):
+        patched = []
+        try:
+            for attr, category in ENGINE_SCOPES.items():
+                patched.append(wrap(engine, attr, category))
+            yield
+        finally:
+            for owner, attr in patched:
+                delattr(owner, attr)
+
+
+@contextlib.contextmanager
+def label_modules(model: torch.nn.Module, scopes: dict[str, str],
+                  methods: dict[str, tuple[str, ...]]) -> Iterator[None]:
+    """A profiler range `TAG + category` around each call of a module whose class name (or attribute name) is in
+    `scopes`, opened and closed by forward hooks, and around its `methods`; all removed after."""
     handles, patched = [], []  # patched: (object, attribute) shadowed by an instance attribute, deleted after
 
     def open_close(category: str | None):
@@ -138,16 +162,14 @@ def labelled(engine) -> Iterator[None]:
         return pre, post
 
     try:
-        for path, module in engine.model.named_modules():
-            category = SCOPES.get(type(module).__name__) or SCOPES.get(path.rsplit(".", 1)[-1])
+        for path, module in model.named_modules():
+            category = scopes.get(type(module).__name__) or scopes.get(path.rsplit(".", 1)[-1])
             if category:
                 pre, post = open_close(category)
                 handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-                for attr in SCOPE_METHODS.get(type(module).__name__, ()):
+                for attr in methods.get(type(module).__name__, ()):
                     if hasattr(module, attr):
-                        patched.append(_wrap(module, attr, category))
-        for attr, category in ENGINE_SCOPES.items():
-            patched.append(_wrap(engine, attr, category))
+                        patched.append(wrap(module, attr, category))
         yield
     finally:
         for h in handles:
@@ -156,7 +178,7 @@ def labelled(engine) -> Iterator[None]:
             delattr(owner, attr)
 
 
-def _wrap(owner, attr: str, category: str | None) -> tuple[object, str]:
+def wrap(owner, attr: str, category: str | None) -> tuple[object, str]:
     """Shadow owner's method `attr` with an instance attribute that runs it inside a labelled range."""
     inner = getattr(owner, attr)
     name = TAG + (category or NEUTRAL)

@@ -10,6 +10,10 @@ log_softmax of the full logits: what a plain PyTorch training step does. Both ru
 tokens; the peer also runs on the largest batch that fits (halving from the full one), and ours on that batch
 too, so their tokens/s compare on equal inputs.
 
+Then (unless --no-split) one more step of ours at the full batch runs under torch.profiler and a table splits it:
+attention and expert GEMMs forward/backward, router/dispatch, log-probs, norms and elementwise, recompute,
+optimizer, communication, other, idle (moerl/bench/train_split.py says how each kernel is placed).
+
 MFU counts model FLOPs only (6 x active parameters per token, lm_head included, plus causal attention), not
 the recompute of activation checkpointing. The table's MFU rows are over the bf16 matmul rate measured in the
 same run; a line under it gives ours against the device's datasheet dense bf16 peak too (named, with its source:
@@ -24,6 +28,7 @@ import time
 
 import torch
 
+from moerl.bench import train_split
 from moerl.bench.common import (Row, datasheet_bf16_peak, device_description, format_table, measure_matmul_peak,
                                 mfu_line, synchronize)
 from moerl.model import build_model, tiny_config
@@ -44,6 +49,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-checkpointing", action="store_true", help="ours without activation checkpointing")
     p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
     p.add_argument("--peer", default="transformers", choices=["transformers", "none"])
+    p.add_argument("--no-split", action="store_true",
+                   help="skip the optimizer step split (one extra step of ours under torch.profiler)")
     return p.parse_args(argv)
 
 
@@ -99,19 +106,23 @@ def _measure(step, device: torch.device, steps: int) -> tuple[float, float]:
     return sorted(times)[len(times) // 2], peak
 
 
-def run_ours(arch, samples, args, device, budget: int) -> tuple[float, float]:
+def run_ours(arch, samples, args, device, budget: int, split: bool = False) -> tuple[float, float, str | None]:
+    """(median seconds per step, peak GB, the step split's table when `split`)."""
     try:
-        return _ours(arch, samples, args, device, budget)
+        return _ours(arch, samples, args, device, budget, split)
     finally:
         _free(device)  # the trainer is gone with _ours' frame
 
 
-def _ours(arch, samples, args, device, budget: int) -> tuple[float, float]:
+def _ours(arch, samples, args, device, budget: int, split: bool) -> tuple[float, float, str | None]:
     model = build_model(arch, dtype=torch.float32, device=device, seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-6), LossConfig(),
                             compute_dtype=torch.bfloat16 if device.type == "cuda" else None,
                             micro_batch_tokens=budget, activation_checkpointing=not args.no_checkpointing)
-    return _measure(lambda: trainer.rl_step(samples), device, args.steps)
+    seconds, peak = _measure(lambda: trainer.rl_step(samples), device, args.steps)
+    # after the timed steps (and their peak memory): one more step, profiled
+    table = train_split.format_split(train_split.measure(trainer, samples, device), seconds * 1e3) if split else None
+    return seconds, peak, table
 
 
 def run_peer(arch, samples, args, device) -> tuple[float, float] | str:
@@ -181,9 +192,9 @@ def main(argv: list[str]) -> int:
     mfu_lines: list[str] = []
     datasheet = datasheet_bf16_peak(device)
     try:
-        ours = run_ours(arch, samples, args, device, budget)
+        ours = run_ours(arch, samples, args, device, budget, split=not args.no_split)
     except torch.OutOfMemoryError:
-        ours = (float("inf"), float("nan"))
+        ours = (float("inf"), float("nan"), None)
         notes.append("ours: out of memory at the full batch")
     peer = run_peer(arch, samples, args, device) if args.peer != "none" else "not run"
     print(f"full batch: ours {ours[0]:.3f} s/step, {ours[1]:.1f} GB peak; peer: {peer}", flush=True)
@@ -213,4 +224,6 @@ def main(argv: list[str]) -> int:
                        peer_name="transformers+AdamW"))
     for line in mfu_lines + notes:
         print(line)
+    if ours[2]:
+        print(ours[2])
     return 0
