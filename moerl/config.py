@@ -108,8 +108,8 @@ class RolloutConfig:
     gpu_memory_fraction: float = 0.9  # share of a GPU for the engine: weights + activation reserve + KV cache
     prefix_caching: bool = True  # samples whose prompts share full KV blocks compute and store them once
     # launch decode step N+1 before reading step N's tokens (host bookkeeping off the device's critical path);
-    # outputs are identical either way, an engine group (ep_size > 1) always runs without it
-    overlap_decode: bool = True
+    # outputs are identical either way; auto = on CUDA only; an engine group (ep_size > 1) always runs without it
+    overlap_decode: Literal["auto", "on", "off"] = "auto"
     ep_size: int = 1  # ranks (GPUs) per rollout engine: experts split over them, dense layers on each (EngineGroup)
     max_inflight_groups: int = 0  # prompt groups a worker works on at once; 0 = from the engine's batch
     cpus_per_worker: float = 1.0  # Ray CPUs per worker (fractional is fine on a laptop)

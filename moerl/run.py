@@ -86,7 +86,8 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
     engine = EngineConfig(max_batch_size=r.max_batch_size, max_seq_len=r.max_seq_len,
                           deterministic=cfg.run.deterministic, seed=cfg.run.seed, kv_block_size=r.kv_block_size,
                           kv_cache_tokens=r.kv_cache_tokens, gpu_memory_fraction=r.gpu_memory_fraction * share,
-                          prefix_caching=r.prefix_caching, overlap_decode=r.overlap_decode)
+                          prefix_caching=r.prefix_caching,
+                          overlap_decode={"auto": None, "on": True, "off": False}[r.overlap_decode])
     t = cfg.train
     worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),

@@ -62,7 +62,7 @@ class EngineGroup:
                                  f"group has {self.size}: build or load it with expert_parallel_group=<this group>")
         if self.size > 1 and config.deterministic:
             raise ValueError("EngineConfig.deterministic is not supported with expert parallelism (ep_size > 1) yet")
-        if self.size > 1 and (config.cuda_graphs or config.overlap_decode):
+        if self.size > 1 and (config.cuda_graphs or config.overlap_decode is not False):
             # see the module docstring; overlapped decode launches steps it may discard, and every rank must run
             # the same forwards: a group decodes one step at a time
             config = dataclasses.replace(config, cuda_graphs=False, overlap_decode=False)

@@ -432,14 +432,14 @@ def test_pyproject_license_is_an_spdx_expression() -> None:
     assert tuple(map(int, re.search(r">=\s*([\d.]+)", setuptools).group(1).split("."))) >= (77,)
 
 
-@pytest.mark.parametrize("flag", ["true", "false"])
-def test_rollout_engine_keys_reach_the_engine_config(flag):
+@pytest.mark.parametrize("overlap,flag", [("on", "true"), ("off", "false"), ("auto", "true")])
+def test_rollout_engine_keys_reach_the_engine_config(overlap, flag):
     """rollout.overlap_decode and prefix_caching are accepted and arrive in the worker's EngineConfig."""
     from moerl.run import _specs, model_architecture
     from moerl.tasks.base import load_task
 
-    cfg = load_config(DEMO, [f"--rollout.overlap_decode={flag}", f"--rollout.prefix_caching={flag}"])
+    cfg = load_config(DEMO, [f"--rollout.overlap_decode={overlap}", f"--rollout.prefix_caching={flag}"])
     task = load_task(cfg.task.name, dict(cfg.task.options), seed=0)
     worker, _ = _specs(cfg, model_architecture(cfg, task), task)
-    assert worker.engine.overlap_decode is (flag == "true")
+    assert worker.engine.overlap_decode is {"on": True, "off": False, "auto": None}[overlap]
     assert worker.engine.prefix_caching is (flag == "true")

@@ -148,7 +148,8 @@ def test_long_prompt_prefilled_in_chunks_while_others_decode(model):
         return {2: lambda engine, done: engine.submit(long_prompt, params_mix(5)[4], request_id="long")}
     check_same(model, PROMPTS[:3], params_mix(3, new=30, stop_token_ids=()), events, max_batch_size=4,
                prefill_chunk=3, max_prefill_tokens=3, min_overlap=20, max_discarded=0)
-    engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=48, prefill_chunk=3, max_prefill_tokens=3))
+    engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=48, prefill_chunk=3, max_prefill_tokens=3,
+                                        overlap_decode=True))
     for i, p in enumerate(PROMPTS[:3]):
         engine.submit(p, params_mix(3, new=30, stop_token_ids=())[i])
     both = 0
@@ -253,7 +254,7 @@ def test_a_stopped_requests_extra_step_is_never_reported():
     plain = Engine(model, EngineConfig(max_batch_size=2, max_seq_len=48, overlap_decode=False))
     (c,) = plain.generate([PROMPTS[3]], params)
     first = next(i for i in range(4, 30) if c.token_ids[i] not in c.token_ids[:i])  # a token first sampled late
-    over = Engine(model, EngineConfig(max_batch_size=2, max_seq_len=48))
+    over = Engine(model, EngineConfig(max_batch_size=2, max_seq_len=48, overlap_decode=True))
     params.stop_token_ids = (c.token_ids[first],)
     (d,) = over.generate([PROMPTS[3]], params)
     assert d.finish_reason == "stop" and d.token_ids == c.token_ids[: first + 1]
@@ -276,3 +277,11 @@ def test_engine_group_members_never_overlap(model, monkeypatch):
         monkeypatch.setattr(block.dispatcher, "world_size", 2, raising=False)
     group = EngineGroup(model, EngineConfig(max_batch_size=2, max_seq_len=32), group=object())
     assert not group.engine.config.overlap_decode and not group.engine.pipeline.overlap
+
+
+def test_overlap_defaults_to_cuda_only(model):
+    """None (the default) resolves by device: on a CPU a launch computes at once, so overlap would only add the
+    steps of rows that just stopped."""
+    assert EngineConfig().overlap_decode is None
+    assert not Engine(model, EngineConfig(max_batch_size=2, max_seq_len=32)).pipeline.overlap
+    assert Engine(model, EngineConfig(max_batch_size=2, max_seq_len=32, overlap_decode=True)).pipeline.overlap
