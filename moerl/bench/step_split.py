@@ -306,13 +306,8 @@ def format_split(split: Split, step_ms: float, graphs: bool) -> str:
         head = (f"\ndecode step split (CPU): op self time per step over {where}\n"
                 f"ops run on the host, so no host row; shares of the op time {split.busy_ms:.2f} ms (timed step "
                 f"{step_ms:.2f} ms); {cost}")
-    lines = [head, f"  {'part':14} {'ms/step':>9} {'of step':>8} {unit + '/step':>13}  what"]
-    for category in CATEGORIES:
-        v = split.ms.get(category, 0.0)
-        lines.append(f"  {category:14} {v:9.3f} {100 * v / total_ms:7.1f}% {split.launches.get(category, 0):13.0f}  "
-                     f"{CAPTIONS[category]}")
-    for name, v in split.unclassified:
-        lines.append(f"  {'':14} {v:9.3f}  unclassified: {name[:90]}")
+    lines = [head] + table_rows(CATEGORIES, CAPTIONS, split.ms, split.launches, split.unclassified, total_ms, unit,
+                                14, 9, 3)
     if host_ms is None:
         lines.append(f"  {'host':14} {'n/a':>9}")
         return "\n".join(lines)
@@ -320,3 +315,18 @@ def format_split(split: Split, step_ms: float, graphs: bool) -> str:
     lines.append(f"  {'host':14} {host_ms:9.3f} {100 * host_ms / total_ms:7.1f}% {'':13}  {why}")
     lines.append(f"  {'step':14} {step_ms:9.3f} {100.0:7.1f}%")
     return "\n".join(lines)
+
+
+def table_rows(rows: tuple[str, ...], captions: dict[str, str], ms: dict[str, float], launches: dict[str, float],
+               unclassified: list[tuple[str, float]], total_ms: float, unit: str, name_w: int, ms_w: int,
+               digits: int) -> list[str]:
+    """The header and one line per row (ms per step, share of total_ms, launches per step, caption), then the top
+    unclassified names: the body both splits (this one and train_split's) print."""
+    lines = [f"  {'part':{name_w}} {'ms/step':>{ms_w}} {'of step':>8} {unit + '/step':>13}  what"]
+    for row in rows:
+        v = ms.get(row, 0.0)
+        lines.append(f"  {row:{name_w}} {v:{ms_w}.{digits}f} {100 * v / total_ms:7.1f}% {launches.get(row, 0):13.0f}  "
+                     f"{captions[row]}")
+    for name, v in unclassified:
+        lines.append(f"  {'':{name_w}} {v:{ms_w}.{digits}f}  unclassified: {name[:90]}")
+    return lines

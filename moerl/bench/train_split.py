@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from moerl.bench.step_split import NEUTRAL, TAG, Rule, classify, compile_rules, label_modules, wrap
+from moerl.bench.step_split import NEUTRAL, TAG, Rule, classify, compile_rules, label_modules, table_rows, wrap
 
 ROWS = ("attention fwd", "attention bwd", "expert GEMMs fwd", "expert GEMMs bwd", "router/dispatch", "log-probs",
         "norms/elementwise", "recompute", "optimizer", "communication", "other", "unclassified")
@@ -241,13 +241,7 @@ def format_split(split: TrainSplit, step_ms: float) -> str:
         idle_why = f"the profiled step's wall {step_ms:.1f} ms - op time {split.busy_ms:.1f} ms (the host's Python)"
     head = (f"\noptimizer step split: {what} of one profiled step; each {unit[:-1]} by its name, its module and "
             f"its phase (moerl/bench/train_split.py; the profiled step took {split.profiled_wall_ms:.1f} ms); {cost}")
-    lines = [head, f"  {'part':18} {'ms/step':>10} {'of step':>8} {unit + '/step':>13}  what"]
-    for row in ROWS:
-        v = split.ms.get(row, 0.0)
-        lines.append(f"  {row:18} {v:10.2f} {100 * v / step_ms:7.1f}% {split.launches.get(row, 0):13.0f}  "
-                     f"{CAPTIONS[row]}")
-    for name, v in split.unclassified:
-        lines.append(f"  {'':18} {v:10.2f}  unclassified: {name[:90]}")
+    lines = [head] + table_rows(ROWS, CAPTIONS, split.ms, split.launches, split.unclassified, step_ms, unit, 18, 10, 2)
     idle_ms = step_ms - split.busy_ms
     lines.append(f"  {'idle':18} {idle_ms:10.2f} {100 * idle_ms / step_ms:7.1f}% {'':13}  {idle_why}")
     lines.append(f"  {'step':18} {step_ms:10.2f} {100.0:7.1f}%")
