@@ -177,7 +177,9 @@ class TrainConfig:
     collective_timeout_s: float = 300.0  # a rank silent this long in a step is named as the straggler
     master_dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and AdamW state (compute: model.dtype)
     micro_batch_tokens: int = 0  # positions per packed micro-batch (gradients accumulate); 0 = one per step
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping it
+    # recompute in backward instead of keeping: true = each whole decoder layer, "selective" = all but its GEMM and
+    # attention outputs (moerl/model/checkpointing.py), false = nothing
+    activation_checkpointing: Literal[False, True, "selective"] = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no gradient), lease more
     # groups dropped per step at most (0 = 4 x batch_groups); past it all-equal groups are kept, with a warning
     dynamic_sampling_max_extra: int = 0
@@ -608,7 +610,7 @@ def _validate(obj: Any, prefix: str) -> None:
 def _convert_cli(raw: str | None, tp: Any, key: str, ctx: _Context) -> Any:
     """An override value: a TOML literal (`20`, `true`, `[1, 2]`, `"x"`) if it is one, else the string."""
     if raw is None:  # a bare flag
-        if _strip_optional(tp) is bool:
+        if _strip_optional(tp) is bool or (get_origin(tp) is Literal and any(a is True for a in get_args(tp))):
             return True
         raise ConfigError(f"config key {key!r} needs a value on {ctx.source}: --{key}=VALUE")
     if _is_union(tp) and type(None) in get_args(tp) and raw.strip().lower() in ("none", "null"):

@@ -41,7 +41,7 @@ class TrainerSpec:
     collective_timeout_s: float = 300.0
     master_dtype: str = "float32"  # parameters and optimizer state
     micro_batch_tokens: int = 0
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # False, True or "selective" (moerl/model/checkpointing.py)
     temperature: float = 1.0  # the rollout's sampling temperature (the behaviour log-probs are under it)
     # where rank 0 serves the rendezvous stores (which have no authentication): "127.0.0.1" in a local run, whatever
     # address Ray resolved; "" = this node's address as the cluster knows it (a multi-node run)

@@ -37,6 +37,9 @@ from moerl.train.config import LossConfig, OptimConfig
 from moerl.train.trainer import PolicyTrainer, Sample
 
 
+CHECKPOINTING = {"full": True, "selective": "selective", "none": False}
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="moerl bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,11 +49,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens of each sample (GPU 256, CPU 16)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (GPU 151936, CPU 4096)")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="ours (GPU 32768, CPU 512)")
-    p.add_argument("--no-checkpointing", action="store_true", help="ours without activation checkpointing")
+    p.add_argument("--checkpointing", default="full", choices=["full", "selective", "none"],
+                   help="ours: activation checkpointing of each decoder layer (moerl/model/checkpointing.py)")
+    p.add_argument("--no-checkpointing", action="store_const", const="none", dest="checkpointing",
+                   help="the same as --checkpointing none")
     p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
     p.add_argument("--peer", default="transformers", choices=["transformers", "none"])
     p.add_argument("--no-split", action="store_true",
                    help="skip the optimizer step split (one extra step of ours under torch.profiler)")
+    p.add_argument("--split-top", type=int, default=0, help="also print the top N kernels of each large split row")
     return p.parse_args(argv)
 
 
@@ -118,10 +125,11 @@ def _ours(arch, samples, args, device, budget: int, split: bool) -> tuple[float,
     model = build_model(arch, dtype=torch.float32, device=device, seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-6), LossConfig(),
                             compute_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                            micro_batch_tokens=budget, activation_checkpointing=not args.no_checkpointing)
+                            micro_batch_tokens=budget, activation_checkpointing=CHECKPOINTING[args.checkpointing])
     seconds, peak = _measure(lambda: trainer.rl_step(samples), device, args.steps)
     # after the timed steps (and their peak memory): one more step, profiled
-    table = train_split.format_split(train_split.measure(trainer, samples, device), seconds * 1e3) if split else None
+    table = (train_split.format_split(train_split.measure(trainer, samples, device, args.split_top), seconds * 1e3)
+             if split else None)
     return seconds, peak, table
 
 
@@ -185,6 +193,7 @@ def main(argv: list[str]) -> int:
     print(f"# moerl bench train on {device_description(device)}: hidden {arch.hidden_size}, "
           f"{arch.num_hidden_layers} layers, {arch.num_experts} experts top-{arch.num_experts_per_tok}, vocab "
           f"{arch.vocab_size}; {n} samples x {seq} positions; micro-batches of {budget} tokens; "
+          f"activation checkpointing {args.checkpointing}; "
           f"matmul peak {peak_flops / 1e12:.3g} TFLOP/s", flush=True)
     samples = _samples(n, seq, prompt, arch)
     rows: list[Row] = []

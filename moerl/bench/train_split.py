@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ PHASED = ("attention", "expert GEMMs")
 # First match wins within each tier (step_split.classify); case is ignored. CUDA kernel names and aten ops.
 RULES: tuple[Rule, ...] = (
     Rule("communication", r"nccl|gloo|c10d::|all_?reduce|reduce_?scatter|all_?gather|all_?to_?all", True),
-    Rule("optimizer", r"multi_tensor_apply|adamw?|_foreach_", True),
+    Rule("optimizer", r"multi_tensor_apply|adamw?|_foreach_|linalg_vector_norm", True),
     Rule("expert GEMMs", r"grouped_mm|GroupProblemShape|grouped_gemm|moe_gemm|fused_moe|swiglu|^_down_kernel$|"
                          r"_gate_up", True),
     Rule("attention", r"flash|fmha|attention|sdpa|paged_decode", True),
@@ -141,6 +142,7 @@ class TrainSplit:
     on_cuda: bool
     profiled_wall_ms: float  # the profiled step's wall, profiler on
     phases_s: dict[str, float]  # seconds measuring took: profiling, reading
+    top_names: dict[str, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)  # row -> (name, ms)
 
     @property
     def busy_ms(self) -> float:
@@ -164,8 +166,9 @@ def labelled(trainer) -> Iterator[None]:
                 delattr(owner, attr)
 
 
-def split_from_events(events, on_cuda: bool) -> tuple[dict, dict, dict]:
-    """(ms per row, launches per row, ms per unclassified name) of one step, from profiler events.
+def split_from_events(events, on_cuda: bool, by_name: dict | None = None) -> tuple[dict, dict, dict]:
+    """(ms per row, launches per row, ms per unclassified name) of one step, from profiler events; `by_name`
+    (row -> Counter of ms per kernel name) is filled when given.
 
     CUDA: every device event counts; a kernel name's time is shared among the rows of the ops that launched it
     in the proportions the CPU-side links show (a kernel linked to no op goes by its name alone, as forward).
@@ -185,6 +188,8 @@ def split_from_events(events, on_cuda: bool) -> tuple[dict, dict, dict]:
     def add(name: str, row: str, us: float, count: float) -> None:
         ms[row] += us / 1e3
         launches[row] += count
+        if by_name is not None:
+            by_name.setdefault(row, collections.Counter())[name] += us / 1e3
         if row == "unclassified":
             unclassified[name] += us / 1e3
 
@@ -209,8 +214,9 @@ def split_from_events(events, on_cuda: bool) -> tuple[dict, dict, dict]:
     return ms, launches, unclassified
 
 
-def measure(trainer, samples: list, device: torch.device) -> TrainSplit:
-    """Profile one optimizer step of `trainer` on `samples` (a step is taken: call it after the timed ones)."""
+def measure(trainer, samples: list, device: torch.device, top: int = 0) -> TrainSplit:
+    """Profile one optimizer step of `trainer` on `samples` (a step is taken: call it after the timed ones);
+    `top` kernel names per row are kept for the table."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
@@ -223,10 +229,12 @@ def measure(trainer, samples: list, device: torch.device) -> TrainSplit:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
     phases = {"profiling": time.perf_counter() - start}
-    ms, launches, unclassified = split_from_events(prof.events(), on_cuda)
+    by_name: dict[str, collections.Counter] = {}
+    ms, launches, unclassified = split_from_events(prof.events(), on_cuda, by_name)
     phases["reading the profile"] = time.perf_counter() - start - phases["profiling"]
-    top = sorted(unclassified.items(), key=lambda kv: -kv[1])[:3]
-    return TrainSplit(dict(ms), dict(launches), top, on_cuda, wall * 1e3, phases)
+    worst = sorted(unclassified.items(), key=lambda kv: -kv[1])[:3]
+    names = {row: c.most_common(top) for row, c in by_name.items() if row != "unclassified"} if top else {}
+    return TrainSplit(dict(ms), dict(launches), worst, on_cuda, wall * 1e3, phases, names)
 
 
 def format_split(split: TrainSplit, step_ms: float) -> str:
@@ -245,4 +253,9 @@ def format_split(split: TrainSplit, step_ms: float) -> str:
     idle_ms = step_ms - split.busy_ms
     lines.append(f"  {'idle':18} {idle_ms:10.2f} {100 * idle_ms / step_ms:7.1f}% {'':13}  {idle_why}")
     lines.append(f"  {'step':18} {step_ms:10.2f} {100.0:7.1f}%")
+    if split.top_names:
+        lines.append(f"\ntop {unit} of each row over 3% of the step (ms/step):")
+        for row in ROWS:
+            if split.ms.get(row, 0.0) > 0.03 * step_ms:
+                lines.append(f"  {row}: " + "; ".join(f"{v:.1f} {n[:70]}" for n, v in split.top_names.get(row, [])))
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moerl.ep.dispatcher import Dispatcher
+from moerl.model.checkpointing import CheckpointMode, context_fn
 from moerl.model.config import MoEModelConfig
 from moerl.model.layers import Attention, DenseMLP, KVCacheLayer, RMSNorm, RotaryEmbedding, varlen_unavailable_reason
 from moerl.model.moe import ExpertsImpl, MoEOutput, SparseMoEBlock
@@ -53,7 +54,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_BTD: torch.Tensor, rope, cache: KVCacheLayer | None, attn_mask: torch.Tensor | None,
                 replay_TK: torch.Tensor | None, with_aux_loss: bool, packed: PackedSeqs | None = None,
-                recompute: bool = False) -> tuple[torch.Tensor, MoEOutput | None]:
+                recompute: CheckpointMode = False) -> tuple[torch.Tensor, MoEOutput | None]:
         """The residual stream after this layer, and the MoE block's output (None for a dense layer).
 
         A module call (not attribute calls from the model's loop) so per-layer hooks fire: FSDP2 gathers
@@ -71,9 +72,10 @@ class DecoderLayer(nn.Module):
         CPU and H200 alike (tests/unit/test_packing.py and tests/gpu/test_varlen_gpu.py read it off the
         routers), and a replayed routing is an input. The checkpoint's own check (same count, shapes and
         dtypes of saved tensors) catches a recompute that takes another path."""
-        if recompute:
+        if recompute:  # True: the whole layer; "selective": all but GEMM and attention outputs (checkpointing.py)
             return checkpoint(
-                self._forward, h_BTD, rope, cache, attn_mask, replay_TK, with_aux_loss, packed, use_reentrant=False
+                self._forward, h_BTD, rope, cache, attn_mask, replay_TK, with_aux_loss, packed, use_reentrant=False,
+                context_fn=context_fn(recompute),
             )
         return self._forward(h_BTD, rope, cache, attn_mask, replay_TK, with_aux_loss, packed)
 
@@ -120,9 +122,13 @@ class MoECausalLM(nn.Module):
         self.tie_weights()
         self.num_moe_layers = len(config.moe_layer_indices)
         # Recompute each decoder layer in backward (keep only layer inputs) when training without a KV cache.
-        self.activation_checkpointing = False
+        self.activation_checkpointing: CheckpointMode = False
 
-    def enable_activation_checkpointing(self, on: bool = True) -> None:
+    def enable_activation_checkpointing(self, on: CheckpointMode = True) -> None:
+        """True: recompute each whole decoder layer in backward; "selective": keep its GEMM and attention outputs
+        and recompute the rest (moerl/model/checkpointing.py); False: keep everything."""
+        if on not in (False, True, "selective"):
+            raise ValueError(f"activation checkpointing must be False, True or 'selective', got {on!r}")
         self.activation_checkpointing = on
 
     def tie_weights(self) -> None:
@@ -187,7 +193,7 @@ class MoECausalLM(nn.Module):
                 packed = packed.with_padded_index()
             elif no_varlen:
                 attn_mask = packed.causal_block_mask()
-        recompute = self.activation_checkpointing and torch.is_grad_enabled() and kv_caches is None
+        recompute = self.activation_checkpointing if torch.is_grad_enabled() and kv_caches is None else False
         routed, aux_losses, counts = [], [], []
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None

@@ -117,7 +117,8 @@ def test_packed_loss_grads_match_sum_of_separate(device, dtype):
     assert err <= TOL[dtype]["grads"], f"worst parameter gradient {name}: rel. error {err:.1e}"
 
 
-def test_activation_checkpointing_grads_match_none(device, dtype):
+@pytest.mark.parametrize("mode", [True, "selective"])
+def test_activation_checkpointing_grads_match_none(device, dtype, mode):
     """Packed, own routing (no replay). The recompute must route exactly as the forward did (read off the routers:
     each called twice, the same top-k both times). Backward on CUDA is not bitwise reproducible (atomics in the
     attention and scatter backward kernels), so the gradients are held to the run-to-run noise of plain backward:
@@ -125,7 +126,7 @@ def test_activation_checkpointing_grads_match_none(device, dtype):
     model = make_model(device, dtype, seed=40)
     packed, ids_1T, targets_1T = packing(sequences(model, device, seed=41))
 
-    def run(checkpointing: bool) -> dict[str, torch.Tensor]:
+    def run(checkpointing) -> dict[str, torch.Tensor]:
         model.enable_activation_checkpointing(checkpointing)
         try:
             return grads(model, token_loss(model.forward_full(ids_1T, packed=packed).logits_BTV, targets_1T))
@@ -138,7 +139,7 @@ def test_activation_checkpointing_grads_match_none(device, dtype):
     hooks = [block.gate.register_forward_hook(lambda m, a, out, i=i: seen.setdefault(i, []).append(out.topk_idx_TK))
              for i, block in enumerate(model.moe_blocks)]
     try:
-        got = run(True)
+        got = run(mode)
     finally:
         for h in hooks:
             h.remove()

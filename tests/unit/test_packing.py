@@ -6,6 +6,7 @@ checked here against a stand-in kernel (the real kernel: tests/gpu/test_varlen_g
 
 from __future__ import annotations
 
+import collections
 from itertools import pairwise
 
 import pytest
@@ -313,6 +314,40 @@ def test_checkpointing_saves_fewer_tensors(packed):
     count_on, bytes_on = saved_bytes(model, packed)
     # With it on only the embedding, final norm and lm_head save tensors outside the layers.
     assert count_on < count_off / 3 and bytes_on < bytes_off / 2, (count_on, count_off, bytes_on, bytes_off)
+
+
+def backward_op_counts(model, mode) -> collections.Counter:
+    """aten ops run during backward (recompute included), by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    model.enable_activation_checkpointing(mode)
+    loss, _ = training_loss(model, replay=False, packed=True)
+    with Count() as counter:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.ops
+
+
+def test_selective_checkpointing_recomputes_no_gemm():
+    """Selective: backward runs the GEMMs that plain backward runs (their outputs were kept), while full
+    checkpointing runs the forward's GEMMs again; both re-run the norms (rsqrt), plain backward does not.
+    A bad mode is refused in one line."""
+    model = small_model()
+    plain, full, selective = (backward_op_counts(model, m) for m in (False, True, "selective"))
+    gemms = ("aten.mm", "aten._grouped_mm", "aten.bmm", "aten.addmm")
+    assert sum(full[g] for g in gemms) > sum(plain[g] for g in gemms) == sum(selective[g] for g in gemms)
+    assert plain["aten.rsqrt"] == 0 and selective["aten.rsqrt"] == full["aten.rsqrt"] > 0
+    with pytest.raises(ValueError, match="selective"):
+        model.enable_activation_checkpointing("partial")
 
 
 def test_checkpointing_is_off_without_grad_and_with_flag_off():

@@ -91,11 +91,12 @@ def test_any_budget_gives_the_whole_batch_gradient(budget, aggregation):
     assert m_micro["expert_counts"] == m_whole["expert_counts"]
 
 
+@pytest.mark.parametrize("mode", [True, "selective"])
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
-def test_activation_checkpointing_gives_the_same_gradient(compute_dtype):
+def test_activation_checkpointing_gives_the_same_gradient(compute_dtype, mode):
     """Under bf16 compute too: the recompute in backward sees the same cast weights as the forward."""
     plain = trainer(aux_loss_coef=0.01, compute_dtype=compute_dtype)
-    ckpt = trainer(aux_loss_coef=0.01, compute_dtype=compute_dtype, activation_checkpointing=True)
+    ckpt = trainer(aux_loss_coef=0.01, compute_dtype=compute_dtype, activation_checkpointing=mode)
     batch = samples(6)
     plain.rl_step(batch)
     ckpt.rl_step(batch)
