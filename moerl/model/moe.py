@@ -26,13 +26,12 @@ from moerl.model.config import MoEModelConfig
 # "fused": the Triton decode path (moerl/kernels/fused_moe.py), forward only; "auto" takes it at decode sizes.
 ExpertsImpl = Literal["auto", "grouped_mm", "loop", "fused"]
 
-# Up to this many tokens `auto` runs the fused path under no_grad. Decode batches (<= 512 rows) sit well inside.
-# At 1024 tokens the 30B-A3B shape (128 experts, top-8) averages 64 rows per expert: the layer is still bound by
-# reading the experts' weights (arithmetic intensity ~64 flop/byte, under the H200's ~160), which the fused path
-# reads once without permute copies, and vLLM serves this size with its Triton kernel too. Larger prefill chunks
-# turn compute-bound, where CUTLASS's grouped GEMM tiles win. A reasoned bound, not yet a measured crossover:
-# `moerl bench moe-decode --tokens 512,1024,2048` measures both paths there.
-FUSED_MAX_TOKENS = 1024
+# Up to this many tokens `auto` runs the fused path under no_grad: decode batches and prefill chunks up to it.
+# Measured on one H200 (`moerl bench moe-decode`, one block in a CUDA graph, fused vs our grouped GEMM): the 30B-A3B
+# shape (128 experts, top-8) 1.44x at 1024 tokens, 1.31x at 2048, 0.88x at 4096 and 0.67x at 8192; the 0.92B
+# preset's 1.74x at 2048 and 1.14x at 4096. Past ~2-3k tokens the layer turns compute-bound, where CUTLASS's
+# grouped GEMM tiles win. 2048 is the largest size measured to win on both shapes.
+FUSED_MAX_TOKENS = 2048
 
 
 def is_expert_param(name: str) -> bool:
