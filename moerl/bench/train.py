@@ -48,11 +48,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help="positions per sample (GPU 2048, CPU 128)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens of each sample (GPU 256, CPU 16)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (GPU 151936, CPU 4096)")
-    p.add_argument("--micro-batch-tokens", type=int, default=None, help="ours (GPU 32768, CPU 512)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="ours (GPU 65536, CPU 512)")
     p.add_argument("--checkpointing", default="full", choices=["full", "selective", "none"],
                    help="ours: activation checkpointing of each decoder layer (moerl/model/checkpointing.py)")
     p.add_argument("--no-checkpointing", action="store_const", const="none", dest="checkpointing",
                    help="the same as --checkpointing none")
+    p.add_argument("--equal-batch-checkpointing", default="none", choices=["full", "selective", "none"],
+                   help="ours at the largest batch the peer fits (the peer keeps every activation too)")
     p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
     p.add_argument("--peer", default="transformers", choices=["transformers", "none"])
     p.add_argument("--no-split", action="store_true",
@@ -113,19 +115,21 @@ def _measure(step, device: torch.device, steps: int) -> tuple[float, float]:
     return sorted(times)[len(times) // 2], peak
 
 
-def run_ours(arch, samples, args, device, budget: int, split: bool = False) -> tuple[float, float, str | None]:
-    """(median seconds per step, peak GB, the step split's table when `split`)."""
+def run_ours(arch, samples, args, device, budget: int, split: bool = False,
+             checkpointing: str | None = None) -> tuple[float, float, str | None]:
+    """(median seconds per step, peak GB, the step split's table when `split`); checkpointing: a mode of
+    CHECKPOINTING (default: --checkpointing)."""
     try:
-        return _ours(arch, samples, args, device, budget, split)
+        return _ours(arch, samples, args, device, budget, split, checkpointing or args.checkpointing)
     finally:
         _free(device)  # the trainer is gone with _ours' frame
 
 
-def _ours(arch, samples, args, device, budget: int, split: bool) -> tuple[float, float, str | None]:
+def _ours(arch, samples, args, device, budget: int, split: bool, checkpointing: str) -> tuple[float, float, str | None]:
     model = build_model(arch, dtype=torch.float32, device=device, seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-6), LossConfig(),
                             compute_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                            micro_batch_tokens=budget, activation_checkpointing=CHECKPOINTING[args.checkpointing])
+                            micro_batch_tokens=budget, activation_checkpointing=CHECKPOINTING[checkpointing])
     seconds, peak = _measure(lambda: trainer.rl_step(samples), device, args.steps)
     # after the timed steps (and their peak memory): one more step, profiled
     table = (train_split.format_split(train_split.measure(trainer, samples, device, args.split_top), seconds * 1e3)
@@ -187,7 +191,7 @@ def main(argv: list[str]) -> int:
     gpu = device.type == "cuda"
     arch = _arch(args, gpu)
     n, seq = args.samples or (128 if gpu else 8), args.seq or (2048 if gpu else 128)
-    prompt, budget = args.prompt or (256 if gpu else 16), args.micro_batch_tokens or (32768 if gpu else 512)
+    prompt, budget = args.prompt or (256 if gpu else 16), args.micro_batch_tokens or (65536 if gpu else 512)
     peak_flops = measure_matmul_peak(device)
     flops_tok = active_flops_per_token(arch, seq)
     print(f"# moerl bench train on {device_description(device)}: hidden {arch.hidden_size}, "
@@ -226,7 +230,10 @@ def main(argv: list[str]) -> int:
             fit = run_peer(arch, samples[:m], args, device)
             print(f"peer at {m} samples: {fit}", flush=True)
             if isinstance(fit, tuple):
-                add(f"{m}x{seq}", run_ours(arch, samples[:m], args, device, budget), fit, m)
+                add(f"{m}x{seq}", run_ours(arch, samples[:m], args, device, budget,
+                                           checkpointing=args.equal_batch_checkpointing), fit, m)
+                notes.append(f"{m}x{seq}: ours with activation checkpointing {args.equal_batch_checkpointing} "
+                             "(--equal-batch-checkpointing), the peer keeps every activation")
                 break
             m //= 2
     print(format_table(f"one RL optimizer step ({tokens:,} tokens in the full batch)", rows,
