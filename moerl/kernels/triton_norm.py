@@ -9,7 +9,8 @@ sum of squares: the residual add rounds to the activation dtype; squares, their 
 torch's factor 1/D, rounded as CUDA's mean kernel computes it), + eps, libdevice's rsqrtf (what torch.rsqrt calls
 on CUDA), the product; the cast to the activation dtype; the weight product in float32 (exact for bf16/fp16
 operands) rounded once. fp fusion is off so no FMA merges two of these roundings. Checked against the torch
-reference by tests/gpu/test_small_kernels_gpu.py; runs on CPU tensors under TRITON_INTERPRET=1.
+reference by tests/gpu/test_small_kernels_gpu.py; runs on CPU tensors under TRITON_INTERPRET=1. Training's
+forward (triton_norm_train.py) is this kernel with STORE_RSTD: it also writes each row's rstd for the backward.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ def _rsqrt(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, R, D, stride_x, stride_delta, mean_factor, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, rstd_ptr, R, D, stride_x, stride_delta, mean_factor,
+                     eps, HAS_DELTA: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -51,7 +52,10 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, R, D, stride_x, 
         tl.store(sum_ptr + rows[:, None] * D + cols[None, :], x, mask=mask)
     x32 = x.to(tl.float32)
     mean_sq = tl.sum(x32 * x32, axis=1) * mean_factor
-    y = x32 * _rsqrt(mean_sq + eps, LIBDEVICE)[:, None]
+    rstd = _rsqrt(mean_sq + eps, LIBDEVICE)
+    if STORE_RSTD:  # the training forward: its backward (triton_norm_train.py) reads the scale, not the sums
+        tl.store(rstd_ptr + rows, rstd, mask=rows < R)
+    y = x32 * rstd[:, None]
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # HF casts back before the weight
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * D + cols[None, :], (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
@@ -67,8 +71,9 @@ def mean_factor(rows: int, D: int) -> float:
     return _f32(_f32(float(rows)) / _f32(float(rows * D)))
 
 
-def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-            eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            rstd_R: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """rstd_R: float32 [rows], where the training forward wants each row's 1/rms (None: not written)."""
     D = x.shape[-1]
     assert D <= MAX_D, f"rows of {D} > MAX_D={MAX_D}: the torch path normalises those"
     x_RD = x.reshape(-1, D)  # a view where the rows allow it (the last position of each row: a strided view)
@@ -86,10 +91,10 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_R = max(1, min(16, 4096 // BLOCK_D))  # head_dim rows: many per program; hidden rows: one or two
     _rms_norm_kernel[(triton.cdiv(R, BLOCK_R),)](
-        x_RD, delta_RD, weight.contiguous(), summed if summed is not None else out, out, R, D,
-        x_RD.stride(0), delta_RD.stride(0), mean_factor(R, D), eps,
-        HAS_DELTA=delta is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, LIBDEVICE=_LIBDEVICE,
-        num_warps=8 if BLOCK_R * BLOCK_D > 4096 else 4, enable_fp_fusion=False)
+        x_RD, delta_RD, weight.contiguous(), summed if summed is not None else out, out,
+        rstd_R if rstd_R is not None else out, R, D, x_RD.stride(0), delta_RD.stride(0), mean_factor(R, D), eps,
+        HAS_DELTA=delta is not None, STORE_RSTD=rstd_R is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D,
+        LIBDEVICE=_LIBDEVICE, num_warps=8 if BLOCK_R * BLOCK_D > 4096 else 4, enable_fp_fusion=False)
     return summed, out
 
 

@@ -28,11 +28,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's numerics (float32, cast back before the weight); one Triton kernel on the no-grad CUDA path.
+        # HF's numerics (float32, cast back before the weight). On CUDA one Triton kernel: forward-only under
+        # no_grad, a forward + backward autograd Function in training (q_norm/k_norm too, over head_dim).
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, self(h + delta)): a residual add and this norm, fused into one kernel where `forward` is."""
+        """(h + delta, self(h + delta)): a residual add and this norm, fused into one kernel where `forward` is
+        (in training the backward too: one kernel gives the sum's gradient to both h and delta)."""
         return add_rms_norm(h, delta, self.weight, self.eps)
 
 
