@@ -180,6 +180,10 @@ class TrainConfig:
     # recompute in backward instead of keeping: true = each whole decoder layer, "selective" = all but its GEMM and
     # attention outputs (moerl/model/checkpointing.py), false = nothing
     activation_checkpointing: Literal[False, True, "selective"] = False
+    # FSDP (num_ranks > 1): reduce-scatter the gradients once per step, after the last micro-batch (FSDP2's no-sync),
+    # instead of after each. Fewer collectives; each rank holds the whole float32 gradients of its FSDP units
+    # between micro-batches (4 bytes per parameter: size it before turning it on)
+    reduce_grads_once: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no gradient), lease more
     # groups dropped per step at most (0 = 4 x batch_groups); past it all-equal groups are kept, with a warning
     dynamic_sampling_max_extra: int = 0

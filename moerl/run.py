@@ -103,7 +103,7 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           capacity_factor=cfg.model.capacity_factor, seed=cfg.run.seed, threads=t.threads,
                           data_parallel=t.data_parallel, collective_timeout_s=t.collective_timeout_s,
                           master_dtype=t.master_dtype, micro_batch_tokens=t.micro_batch_tokens,
-                          activation_checkpointing=t.activation_checkpointing,
+                          activation_checkpointing=t.activation_checkpointing, reduce_grads_once=t.reduce_grads_once,
                           temperature=cfg.rollout.temperature, deterministic=cfg.run.deterministic,
                           store_host="" if _joins_cluster(cfg) else "127.0.0.1")
     return worker, trainer

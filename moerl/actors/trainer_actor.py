@@ -42,6 +42,7 @@ class TrainerSpec:
     master_dtype: str = "float32"  # parameters and optimizer state
     micro_batch_tokens: int = 0
     activation_checkpointing: bool | str = False  # False, True or "selective" (moerl/model/checkpointing.py)
+    reduce_grads_once: bool = False  # FSDP: one reduce-scatter per step, after the last micro-batch
     temperature: float = 1.0  # the rollout's sampling temperature (the behaviour log-probs are under it)
     # where rank 0 serves the rendezvous stores (which have no authentication): "127.0.0.1" in a local run, whatever
     # address Ray resolved; "" = this node's address as the cluster knows it (a multi-node run)
@@ -95,6 +96,7 @@ class TrainerRank:
                                      data_parallel=spec.data_parallel, compute_dtype=getattr(torch, spec.dtype),
                                      micro_batch_tokens=spec.micro_batch_tokens,
                                      activation_checkpointing=spec.activation_checkpointing,
+                                     reduce_grads_once=spec.reduce_grads_once,
                                      temperature=spec.temperature)
         return os.getpid()
 

@@ -44,11 +44,13 @@ class PolicyTrainer:
                  expert_bias_rate: float = 0.0, data_parallel: Literal["fsdp", "replicate"] = "fsdp",
                  compute_dtype: torch.dtype | None = None, micro_batch_tokens: int = 0,
                  activation_checkpointing: CheckpointMode = False, logprob_chunk_tokens: int | None = None,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, reduce_grads_once: bool = False) -> None:
         """model: built in the master dtype (float32), its experts already split by `groups.ep`.
         compute_dtype: forward/backward dtype (None = the parameters'). micro_batch_tokens: positions per
         micro-batch (0 = all of the rank's samples in one). temperature: the rollout's sampling temperature:
-        the behaviour log-probs are of softmax(logits / temperature), so the policy's must be too."""
+        the behaviour log-probs are of softmax(logits / temperature), so the policy's must be too.
+        reduce_grads_once: FSDP only: gradients accumulate unsharded (float32) over the micro-batches and are
+        reduce-scattered once, after the last (FSDP2's `set_requires_gradient_sync`), not after each."""
         if data_parallel not in ("fsdp", "replicate"):
             raise ValueError(f"data_parallel must be 'fsdp' or 'replicate', got {data_parallel!r}")
         self.model, self.optim_cfg, self.loss_cfg = model, optim, loss
@@ -60,6 +62,7 @@ class PolicyTrainer:
                              "of an expert slice are FSDP-sharded)")
         self.routing_replay, self.aux_loss_coef, self.expert_bias_rate = routing_replay, aux_loss_coef, expert_bias_rate
         self.micro_batch_tokens, self.logprob_chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
+        self.reduce_grads_once = reduce_grads_once
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: the plain distribution
         param = next(model.parameters())
         self.device, self.master_dtype = param.device, param.dtype
@@ -126,6 +129,8 @@ class PolicyTrainer:
             batch = pack(local_bins[i] if i < len(local_bins) else [], m.num_moe_layers,
                          m.config.num_experts_per_tok, self.device, m.config.pad_token_id or 0)
             real = i < len(local_bins)
+            if self.fsdp and self.reduce_grads_once:  # every rank runs n_micro backwards: the last one syncs
+                m.set_requires_gradient_sync(i == n_micro - 1)
             with compute_cast(m, None if self.fsdp else self.compute_dtype):
                 out = m.forward_logprobs(batch.input_ids_1T, batch.target_ids_1T, packed=batch.packed,
                                          routed_experts_BTLK=batch.routed_1TLK if (replay or not real) else None,

@@ -34,14 +34,15 @@ def arch():
 
 
 def make(group=None, layout: str = "replicate", ep: bool | int = False, loss: LossConfig | None = None,
-         micro_batch_tokens: int = 0) -> PolicyTrainer:
+         micro_batch_tokens: int = 0, reduce_grads_once: bool = False) -> PolicyTrainer:
     """ep: True = experts split over every rank; an int = that EP size."""
     ep_size = (dist.get_world_size() if ep is True else int(ep)) if group is not None else 1
     groups = trainer_groups(max(ep_size, 1), "cpu") if group is not None else None
     model = build_model(arch(), seed=0, expert_parallel_group=groups.ep if groups else None,
                         dispatcher="all_to_all" if ep_size > 1 else "local")
     return PolicyTrainer(model, OptimConfig(lr=1e-3, weight_decay=0.01), loss or LossConfig(), groups=groups,
-                         expert_bias_rate=1e-3, data_parallel=layout, micro_batch_tokens=micro_batch_tokens)
+                         expert_bias_rate=1e-3, data_parallel=layout, micro_batch_tokens=micro_batch_tokens,
+                         reduce_grads_once=reduce_grads_once)
 
 
 def step_samples(step: int) -> list[Sample]:
@@ -131,12 +132,46 @@ def full_grads(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
             for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
+MICRO_LAYOUTS = (("fsdp", True, 9), ("fsdp", False, 1), ("replicate", True, 20), ("fsdp-once", True, 9))
+
+
 def micro_worker(rank: int, world: int, out_dir: str) -> None:
-    for layout, ep, budget in (("fsdp", True, 9), ("fsdp", False, 1), ("replicate", True, 20)):
-        trainer = make(dist.group.WORLD, layout, ep, micro_batch_tokens=budget)
+    for layout, ep, budget in MICRO_LAYOUTS:
+        # "fsdp-once": FSDP2's no-sync, one reduce-scatter after the last micro-batch (reduce_grads_once)
+        trainer = make(dist.group.WORLD, layout.removesuffix("-once"), ep, micro_batch_tokens=budget,
+                       reduce_grads_once=layout.endswith("-once"))
         trainer.optim_cfg.grad_clip = 0.0  # compare the raw gradients
-        trainer.rl_step(split_by_tokens(step_samples(0), world)[rank])
-        torch.save(full_grads(trainer), Path(out_dir) / f"micro-{layout}-{ep}-rank{rank}.pt")
+        calls = count_calls(dist, REDUCE_SCATTERS)
+        try:
+            trainer.rl_step(split_by_tokens(step_samples(0), world)[rank])
+        finally:
+            calls.restore()
+        torch.save({"grads": full_grads(trainer), "reduce_scatters": calls.n},
+                   Path(out_dir) / f"micro-{layout}-{ep}-rank{rank}.pt")
+
+
+# FSDP2's reduce-scatter: reduce_scatter_single from torch 2.12 on, reduce_scatter_tensor before
+REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")
+
+
+class count_calls:
+    """Counts the calls of the functions `names` of `owner` (those it has), patched in place until `restore`."""
+
+    def __init__(self, owner, names: tuple[str, ...]) -> None:
+        self.n, self.owner = 0, owner
+        self.originals = {name: getattr(owner, name) for name in names if hasattr(owner, name)}
+        for name, original in self.originals.items():
+            setattr(owner, name, self._counted(original))
+
+    def _counted(self, original):
+        def counted(*args, **kwargs):
+            self.n += 1
+            return original(*args, **kwargs)
+        return counted
+
+    def restore(self) -> None:
+        for name, original in self.originals.items():
+            setattr(self.owner, name, original)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -146,12 +181,17 @@ def test_micro_batches_on_every_rank_give_the_whole_batch_gradient(world, tmp_pa
     ref.optim_cfg.grad_clip = 0.0
     ref.rl_step(step_samples(0))
     want = full_grads(ref)
-    for layout, ep in (("fsdp", True), ("fsdp", False), ("replicate", True)):
-        got = [torch.load(tmp_path / f"micro-{layout}-{ep}-rank{r}.pt") for r in range(world)]
+    scatters: dict[str, int] = {}
+    for layout, ep, _ in MICRO_LAYOUTS:
+        saved = [torch.load(tmp_path / f"micro-{layout}-{ep}-rank{r}.pt") for r in range(world)]
+        got = [x["grads"] for x in saved]
+        scatters[layout] = saved[0]["reduce_scatters"]
         for name, w in want.items():
             g = torch.cat([got[r][name] for r in range(world)]) if ep and ".experts." in name else got[0][name]
             err = float((g.double() - w.double()).norm() / w.double().norm().clamp(min=1e-30))
             assert err <= 1e-6, f"{world} ranks, {layout}, ep={ep}, {name}: relative error {err:.2e}"
+    # the same units and budget: no-sync reduce-scatters once per unit, the default once per unit and micro-batch
+    assert 0 < scatters["fsdp-once"] < scatters["fsdp"], scatters
 
 
 # ---------------------------------------------------------------- the loss knobs under data parallelism
