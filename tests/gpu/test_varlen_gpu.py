@@ -10,6 +10,7 @@ Routing is replayed from the separate forwards: bf16 noise must not flip a top-k
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from gpu_helpers import rel_err
