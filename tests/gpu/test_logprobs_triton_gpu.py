@@ -29,6 +29,11 @@ from gpu_helpers import rel_err
 from moerl.model.logprobs import _fused_chunk_tokens, chunked_token_logprobs, token_logprobs_reference
 
 TOL_REF = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# The entropy's gradient alone, -p (log p + H) / tau, amplifies the bf16 rounding of the logits most (at tau 0.7):
+# the torch path's own error against float64 is 1.9e-2 there (V32768x3chunks on the CPU), and the fused path's was
+# 2.0e-2 and 2.3e-2 on the H200 (2cb0def). Both paths share those bf16 logits; the bound against the torch path
+# below is what checks the kernels.
+TOL_REF_ENTROPY_ONLY_BF16 = 3e-2
 TOL_STATS = 1e-5
 TOL_GRAD = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -131,7 +136,8 @@ def test_fused_logprobs(device, launches, dtype, shape, temperature, with_entrop
     names = ["logp"] + ["entropy"] * with_entropy + ["grad_hidden", "grad_weight"]
     errs_ref = dict(zip(names, (rel_err(a, b) for a, b in zip(got, want, strict=True))))
     errs_torch = dict(zip(names, (rel_err(a, b) for a, b in zip(got, torch_path, strict=True))))
-    assert all(e <= TOL_REF[dtype] for e in errs_ref.values()), f"vs float64: {errs_ref} (NaN fails)"
+    tol_ref = TOL_REF_ENTROPY_ONLY_BF16 if (grads, dtype) == ("entropy-only", torch.bfloat16) else TOL_REF[dtype]
+    assert all(e <= tol_ref for e in errs_ref.values()), f"vs float64: {errs_ref} (NaN fails)"
     bounds = {n: TOL_STATS if n in ("logp", "entropy") else TOL_GRAD[dtype] for n in names}
     assert all(errs_torch[n] <= bounds[n] for n in names), f"vs the torch path: {errs_torch} > {bounds}"
 
