@@ -116,9 +116,15 @@ class PolicyTrainer:
         # global normalisers (completion tokens, non-empty completions) and the micro-batch count, in one call
         local_bins = micro_batches(samples, self.micro_batch_tokens)
         tokens, seqs = sum(len(s.completion_ids) for s in samples), sum(bool(s.completion_ids) for s in samples)
-        counts = self._all_reduce(torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device))
+        # token ids outside the vocabulary: one line here, on every rank, before any work (on CUDA the embedding
+        # and log-prob kernels would end the process with a device-side assert instead)
+        bad = _first_out_of_vocab(samples, self.model.config.vocab_size)
+        counts = self._all_reduce(torch.tensor([tokens, seqs, bad is not None], dtype=torch.float64,
+                                               device=self.device))
         n_micro = int(self._all_reduce(torch.tensor([len(local_bins)], device=self.device), dist.ReduceOp.MAX))
-        global_tokens, global_seqs = (int(c) for c in counts.tolist())
+        global_tokens, global_seqs, bad_ranks = (int(c) for c in counts.tolist())
+        if bad_ranks:
+            raise ValueError(bad or f"{bad_ranks} other trainer rank(s) got token ids outside the vocabulary")
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         counts_LE = torch.zeros(self.model.num_moe_layers, self.model.config.num_experts, dtype=torch.long,
@@ -267,6 +273,17 @@ class PolicyTrainer:
 
     def _publishes(self, name: str) -> bool:
         return self.groups.efsdp_rank == 0 if self._is_expert_param(name) else self.rank == 0
+
+
+def _first_out_of_vocab(samples: list[Sample], vocab: int) -> str | None:
+    """Why the first sample whose token ids fall outside [0, vocab) is bad, or None (a pass over host lists)."""
+    for i, s in enumerate(samples):
+        for part in ("prompt_ids", "completion_ids"):
+            ids = getattr(s, part)
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                return (f"sample {i}: {part} holds ids in [{min(ids)}, {max(ids)}], outside the vocabulary "
+                        f"[0, {vocab})")
+    return None
 
 
 def _expert_counts(routed_1TLK: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -3,6 +3,8 @@ equal to the whole batch, activation checkpointing equal to none, token-balanced
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -166,3 +168,16 @@ def test_trainer_logprobs_match_the_rollouts_at_its_temperature(temperature):
         plain = PolicyTrainer(build_model(tiny_config(**ARCH), seed=0), OptimConfig(lr=1e-6), LossConfig())
         off = plain.rl_step(batch)
         assert off["is/behaviour_kl"] > 1e-4 and off["is/weight_max"] > 1.01
+
+
+def test_token_ids_outside_the_vocabulary_are_named_before_any_work():
+    t = trainer()
+    batch = samples(4)
+    vocab = t.model.config.vocab_size
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    batch[2] = dataclasses.replace(batch[2], completion_ids=[*batch[2].completion_ids[:-1], vocab])
+    with pytest.raises(ValueError, match=rf"sample 2: completion_ids holds ids in \[\d+, {vocab}\], outside the "
+                                         rf"vocabulary \[0, {vocab}\)"):
+        t.rl_step(batch)
+    assert t.steps_done == 0
+    assert all(torch.equal(p, before[n]) for n, p in t.model.named_parameters())
