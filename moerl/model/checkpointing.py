@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["CheckpointMode", "SAVED_OPS", "selective_context"]
+__all__ = ["CheckpointMode", "SAVED_OPS", "context_fn", "selective_context"]
 
 CheckpointMode = Literal[False, True, "selective"]  # False = none, True = full
 
