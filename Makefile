@@ -22,8 +22,12 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/moerl train configs/demo.toml
 
+# If pytest dies inside a test (no summary), tests/postmortem.py names the test from the progress record.
+PROGRESS := $(VENV)/test-progress
 test: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -ra
+	rm -f $(PROGRESS)
+	RAY_AUTH_MODE=disabled MOERL_TEST_PROGRESS=$(PROGRESS) $(PY) -m pytest -q -ra \
+		|| { rc=$$?; $(PY) tests/postmortem.py $(PROGRESS); exit $$rc; }
 
 # The GPU suite (tests/gpu), on a CUDA machine in one call: no venv there, the image's python3 and torch; Ray and the
 # other wheels that image lacks come from .whl/ when present (../shared/tools/device-wheels.sh builds it).
