@@ -457,6 +457,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         if report is not None:
             report.finish()  # never raises; the final plots are written while Ray shuts down
         try:
+            checkpointer.close()  # its save job's Ray calls end first: one racing ray.shutdown() ends the process
             if ours and ray.is_initialized():
                 ray.shutdown()
         finally:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable
 
@@ -37,6 +38,8 @@ from moerl.checkpoint.storage import StepTarget, step_name
 from moerl.checkpoint.untrusted import load_error
 from moerl.loop.types import STATE_CLASSES
 from moerl.model.config import CheckpointError, MoEModelConfig
+
+_RAY_SLICE_S = 1.0  # the longest a save job's Ray call holds off close()
 
 
 class Checkpointer:
@@ -61,6 +64,11 @@ class Checkpointer:
         self.config = config  # the run's config (secrets masked), in every manifest: --resume compares it
         self._export_note: tuple[str, str] | None = None  # the export's outcome, said by wait() on the loop's thread
         self._exported = False
+        # The job's Ray calls run under this lock, in slices of at most _RAY_SLICE_S, and none after close(): a
+        # Ray call racing ray.shutdown() meets a destroyed core worker, and Ray then ends the whole process with
+        # _exit(1) (the run's error line lost).
+        self._ray_lock = threading.Lock()
+        self._closed = False
 
     def save(self, step: int, trainer: RayTrainerGroup, controller_state: dict) -> None:
         """Start saving `step`. A save that fails is counted and training goes on (the next interval tries
@@ -86,7 +94,7 @@ class Checkpointer:
     def _finish(self, step: int, blobs: dict[str, bytes], refs: list, samples: int | None = None) -> int:
         """The job (its own thread): the uploads, then this process's files, the commit and the pruning."""
         # each rank hashed its files while writing them: the manifest takes those, never a re-read
-        ranks = ray.get(refs, timeout=self.timeout_s) if refs else []
+        ranks = self._gather(refs) if refs else []
         for name, data in blobs.items():  # after the uploads: rank 0 cleared the step directory before them
             self.store.write_bytes(step, name, data)
         sums = {f"{TRAINER_DIR}/{name}": crc for rank in ranks for name, crc in rank.items()}
@@ -99,6 +107,26 @@ class Checkpointer:
         if self.hf_export:
             self._export(step)
         return step
+
+    def _gather(self, refs: list) -> list:
+        """ray.get(refs) within timeout_s, in slices that close() can stop between."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self._ray_lock:
+                if self._closed:
+                    raise CheckpointError("the run ended before the trainer's uploads finished")
+                left = deadline - time.monotonic()
+                if not ray.wait(refs, num_returns=len(refs), timeout=max(min(left, _RAY_SLICE_S), 0))[1]:
+                    return ray.get(refs)
+            if left <= _RAY_SLICE_S:
+                raise TimeoutError(f"the trainer's uploads did not finish within checkpoint.timeout_s="
+                                   f"{self.timeout_s:g} s")
+
+    def close(self) -> None:
+        """No Ray call from the save job after this returns (within _RAY_SLICE_S): call it before ray.shutdown().
+        A save still waiting for its uploads then fails, uncommitted; the previous checkpoint stays latest."""
+        with self._ray_lock:
+            self._closed = True
 
     def _export(self, step: int) -> None:
         """The committed step as a Hugging Face directory; a failure is a warning (the checkpoint stands)."""

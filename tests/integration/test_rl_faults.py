@@ -203,12 +203,25 @@ class Striker(threading.Thread):
 
 
 def run_with_striker(cfg, striker: Striker) -> dict:
+    import ray
+
     from moerl.run import train
 
+    real_shutdown = ray.shutdown
+
+    def shutdown_after_striker(*args, **kwargs):
+        # The striker's Ray calls end before Ray does: a call racing ray.shutdown() meets a destroyed core worker,
+        # and Ray then ends this whole process with _exit(1) (pytest's summary lost; CI saw it once).
+        striker.stop.set()
+        striker.join(timeout=60)
+        real_shutdown(*args, **kwargs)
+
+    ray.shutdown = shutdown_after_striker
     striker.start()
     try:
         result = train(cfg)
     finally:
+        ray.shutdown = real_shutdown
         striker.stop.set()
         striker.join(timeout=60)
     assert not striker.is_alive()

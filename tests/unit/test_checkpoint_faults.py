@@ -9,6 +9,8 @@ import errno
 import json
 import os
 import threading
+import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -84,9 +86,10 @@ def test_a_disk_that_fills_mid_save_commits_nothing_and_latest_stays(tmp_path, m
     """Issue 26 item 2: step 20 was committed with 2 of its 4 shard files (DCP's writer threads drop their
     errors); resume and export then died on a KeyError."""
     from moerl.actors import checkpointer
-    from tests.unit.test_checkpoint_trainer import _InProcessGroup, trained
+    from tests.unit.test_checkpoint_trainer import _InProcessGroup, trained, wait_futures
 
     monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
+    monkeypatch.setattr(checkpointer.ray, "wait", wait_futures)
     tr = trained(steps=1, bias_rate=0.0)
     ckpt = checkpointer.Checkpointer(str(tmp_path / "ckpts"), keep=1, arch=tr.model.config, fingerprint={},
                                      use_async=use_async)
@@ -293,3 +296,40 @@ def test_a_trainer_ranks_checkpoint_error_comes_back_as_its_own_line(tmp_path):
     with pytest.raises(CheckpointError) as e:
         ckpt.restore(Rank())
     assert str(e.value).endswith(".metadata: entry 'x' is a BytesStorageMetadata, not a tensor")
+
+
+def test_close_ends_the_save_jobs_ray_calls_before_ray_shuts_down(tmp_path, monkeypatch):
+    """train() calls close() before ray.shutdown(): a save still waiting for its uploads makes no Ray call after
+    it (one racing the shutdown meets a destroyed core worker, and Ray ends the whole process with _exit(1)), and
+    that step stays uncommitted."""
+    from moerl.actors import checkpointer
+    from tests.unit.test_checkpoint_trainer import wait_futures
+
+    calls: list[str] = []
+    monkeypatch.setattr(checkpointer, "_RAY_SLICE_S", 0.05)
+    monkeypatch.setattr(checkpointer.ray, "wait", lambda *a, **k: calls.append("wait") or wait_futures(*a, **k))
+    monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: calls.append("get") or [{}])
+    upload = Future()  # never finishes
+
+    class Uploading:
+        def save_state(self, path, use_async, target=None):
+            pass
+
+        def save_done(self):
+            return [upload]
+
+    events: list[tuple[str, str]] = []
+    ckpt = Checkpointer(str(tmp_path / "ckpts"), keep=2, arch=tiny_config(), fingerprint={}, timeout_s=120,
+                        on_event=lambda kind, text: events.append((kind, text)))
+    ckpt.save(4, Uploading(), {"step": 4})
+    deadline = time.monotonic() + 30
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ckpt.close()
+    seen = len(calls)
+    job = ckpt.pending[1]
+    job.exception(timeout=30)  # the job ends at once, not after timeout_s
+    assert len(calls) == seen and "get" not in calls
+    ckpt.wait()
+    assert events[-1][0] == "warning" and "the run ended before the trainer's uploads finished" in events[-1][1]
+    assert ckpt.store.latest_step() is None

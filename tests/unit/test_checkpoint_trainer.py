@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import zlib
+from concurrent import futures
 
 import pytest
 import torch
@@ -197,6 +198,12 @@ def _chat_model_dir(directory) -> dict:
     return generation
 
 
+def wait_futures(refs, num_returns=1, timeout=None):
+    """ray.wait(refs, num_returns=len(refs)) over the concurrent Futures that _InProcessGroup.save_done returns."""
+    done, _ = futures.wait(refs, timeout=timeout)
+    return [f for f in refs if f in done], [f for f in refs if f not in done]
+
+
 class _InProcessGroup:
     """What Checkpointer.save drives (RayTrainerGroup.save_state / save_done), on one in-process trainer."""
 
@@ -223,6 +230,7 @@ def test_export_serves_with_the_source_models_tokenizer_and_generation_config(tm
     source.mkdir()
     generation = _chat_model_dir(source)
     monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
+    monkeypatch.setattr(checkpointer.ray, "wait", wait_futures)
     tr = trained(steps=1, bias_rate=0.0, vocab_size=7, eos_token_id=2, pad_token_id=0)
     files = serving_files("", str(source))  # model.path empty (random init), the task's tokenizer directory
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(files)

@@ -241,7 +241,8 @@ def test_checkpointer_reports_commits_and_failures(tmp_path: Path, monkeypatch: 
         def save_done(self) -> list:
             return ["ref"]
 
-    fake_ray = types.SimpleNamespace(get=lambda refs, timeout=None: [{}], exceptions=checkpointer_mod.ray.exceptions)
+    fake_ray = types.SimpleNamespace(get=lambda refs, timeout=None: [{}], wait=lambda refs, **_: (refs, []),
+                                     exceptions=checkpointer_mod.ray.exceptions)
     monkeypatch.setattr(checkpointer_mod, "ray", fake_ray)
     events: list[tuple[str, str]] = []
     ckpt = Checkpointer(str(tmp_path / "ckpts"), keep=2, arch=tiny_config(), fingerprint={},

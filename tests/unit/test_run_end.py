@@ -25,12 +25,13 @@ def test_a_finished_run_saves_its_last_step(every, saved):
 def checkpointed(tmp_path_factory):
     """A run directory whose checkpoints hold committed steps 1 and 2, each also exported as a HF directory."""
     from moerl.actors import checkpointer
-    from tests.unit.test_checkpoint_trainer import _InProcessGroup, trained
+    from tests.unit.test_checkpoint_trainer import _InProcessGroup, trained, wait_futures
 
     run_dir = tmp_path_factory.mktemp("run")
     events: list[tuple[str, str]] = []
-    real_get = checkpointer.ray.get
+    real_get, real_wait = checkpointer.ray.get, checkpointer.ray.wait
     checkpointer.ray.get = lambda refs, timeout=None: [f.result() for f in refs]
+    checkpointer.ray.wait = wait_futures
     try:
         tr = trained(steps=1, bias_rate=0.0)
         ckpt = checkpointer.Checkpointer(str(run_dir / "checkpoints"), keep=1, arch=tr.model.config, fingerprint={},
@@ -39,7 +40,7 @@ def checkpointed(tmp_path_factory):
             ckpt.save(step, _InProcessGroup(tr), {"step": step})
             ckpt.wait()
     finally:
-        checkpointer.ray.get = real_get
+        checkpointer.ray.get, checkpointer.ray.wait = real_get, real_wait
     return run_dir, events
 
 
