@@ -10,6 +10,7 @@
                  `<hf_export>/step-NNNNNNNN` (moerl export's path: read back, verified), keeping the newest `keep`.
     poll():      reports a finished job (committed, or failed); never blocks.
     restore():   a committed step: trainer state into every rank, controller state returned.
+    close():     before ray.shutdown(): the job makes no Ray call after it (a save still uploading fails, uncommitted).
 
 No storage call runs on the controller's thread (a black-hole S3 endpoint froze the run at a save, and SIGTERM
 could not stop it): each has a deadline (`storage_timeout_s`) and the job's thread is a daemon. A checkpoint whose
