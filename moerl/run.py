@@ -27,6 +27,7 @@ from moerl import local_ray, preflight
 from moerl.config import MoerlConfig
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.preflight import PreflightError, one_line
+from moerl.ray_gc import gc_frozen
 from moerl.redact import redact_config
 from moerl.resume import check_config, saved_config
 from moerl.resume import complete as is_complete
@@ -454,12 +455,15 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         return result(state.step, counters=dict(state.counters), queue=queue.stats(),
                       failed_tasks=[t.task_id for t in queue.failed], weights=dict(weights.stats))
     finally:  # each step runs even when one before it fails (a failing log.close() used to skip ray.shutdown())
-        if report is not None:
-            report.finish()  # never raises; the final plots are written while Ray shuts down
         try:
-            checkpointer.close()  # its save job's Ray calls end first: one racing ray.shutdown() ends the process
-            if ours and ray.is_initialized():
-                ray.shutdown()
+            # No Ray call and no collection of a Ray object while Ray shuts down: either ends this process with
+            # _exit(1) (moerl/ray_gc.py). The freeze comes first: the final plots' thread allocates meanwhile.
+            with gc_frozen():
+                if report is not None:
+                    report.finish()  # never raises; the final plots are written while Ray shuts down
+                checkpointer.close()  # its save job's Ray calls end here
+                if ours and ray.is_initialized():
+                    ray.shutdown()
         finally:
             token.close()
             if report is not None:

@@ -10,6 +10,7 @@ a background thread strikes a worker. Every wait is a bounded poll with a deadli
 
 from __future__ import annotations
 
+import gc
 import http.server
 import json
 import os
@@ -78,9 +79,17 @@ def ray_env(monkeypatch):
     import ray
 
     assert not ray.is_initialized(), "a previous test left Ray running"
+    real_shutdown, frozen = ray.shutdown, []
+
+    def checked_shutdown(*args, **kwargs):  # train() shuts Ray down with the collector frozen (moerl/ray_gc.py)
+        frozen.append(gc.get_freeze_count())
+        real_shutdown(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "shutdown", checked_shutdown)
     yield
     if ray.is_initialized():  # train() stops the Ray it started; this is only for a failed test
-        ray.shutdown()
+        real_shutdown()
+    assert all(frozen), "ray.shutdown() ran with the run's Ray objects in the collector's reach"
 
 
 class Captured:
