@@ -9,11 +9,13 @@ A collection runs on whichever thread allocated last. When it frees an ObjectRef
 (cyclic garbage: exceptions with tracebacks, closures) while `ray.shutdown()` tears the core worker down, Ray's C++
 side finds its core worker gone and ends the whole process with `_exit(1)`: no traceback, no message outside Ray's
 driver log ("The core worker has already been shutdown ... The process will exit"). The CI lost a run to it: the
-final plots' thread collected while the driver shut Ray down. tests/integration/test_ray_gc.py reproduces it.
+final plots' thread collected while the driver shut Ray down. tests/repro_ray_gc_race.py reproduces it on its own.
 
 `gc.freeze()` moves every object alive at that moment out of the collector's reach, so a collection on any thread
 meanwhile sees only objects made since (none of them the run's Ray objects). `gc.unfreeze()` after: they are
-collected later, with Ray down, which is safe (the same test frees them so).
+collected later, with Ray down, which is safe (a collection after the shutdown has finished was tried with
+ObjectRefs, borrowed refs, actor handles and plasma-backed arrays: no exit). tests/unit/test_ray_gc.py checks the
+mechanism; tests/integration/test_rl_faults.py (`ray_env`) that every in-process run shuts Ray down inside it.
 """
 
 from __future__ import annotations
