@@ -15,7 +15,7 @@ _MAIN_PID = os.getpid()
 def _record(line: str) -> None:
     if _PROGRESS and os.getpid() == _MAIN_PID:
         with open(_PROGRESS, "a") as f:
-            f.write(f"{time.time():.1f} {line}\n")
+            f.write(f"{time.time():.3f} {line}\n")
 
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:
