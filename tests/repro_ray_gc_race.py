@@ -5,7 +5,7 @@
 
 Cyclic garbage holding 60,000 ObjectRefs is collected on a second thread while the main thread shuts Ray down;
 Ray's C++ core worker then ends the process with _exit(1). On this 2-core machine (Ray 2.60, 2026-12-04): 4 of 4
-runs without the freeze exited 1; 3 of 3 with it survived. Run it again after a Ray upgrade.
+runs without the freeze exited 1; 4 of 4 with it survived. Run it again after a Ray upgrade.
 """
 import contextlib
 import gc
