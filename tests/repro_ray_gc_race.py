@@ -9,14 +9,12 @@ runs without the freeze exited 1; 4 of 4 with it survived. Run it again after a 
 """
 import contextlib
 import gc
-import os
 import sys
 import threading
 
 import ray
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moerl.ray_gc import gc_frozen  # noqa: E402
+from moerl.ray_gc import gc_frozen
 
 
 class _Holder:

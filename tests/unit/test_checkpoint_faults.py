@@ -86,10 +86,9 @@ def test_a_disk_that_fills_mid_save_commits_nothing_and_latest_stays(tmp_path, m
     """Issue 26 item 2: step 20 was committed with 2 of its 4 shard files (DCP's writer threads drop their
     errors); resume and export then died on a KeyError."""
     from moerl.actors import checkpointer
-    from tests.unit.test_checkpoint_trainer import _InProcessGroup, trained, wait_futures
+    from tests.unit.test_checkpoint_trainer import _InProcessGroup, futures_as_ray_refs, trained
 
-    monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
-    monkeypatch.setattr(checkpointer.ray, "wait", wait_futures)
+    futures_as_ray_refs(monkeypatch)
     tr = trained(steps=1, bias_rate=0.0)
     ckpt = checkpointer.Checkpointer(str(tmp_path / "ckpts"), keep=1, arch=tr.model.config, fingerprint={},
                                      use_async=use_async)

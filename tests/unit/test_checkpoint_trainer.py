@@ -204,6 +204,14 @@ def wait_futures(refs, num_returns=1, timeout=None):
     return [f for f in refs if f in done], [f for f in refs if f not in done]
 
 
+def futures_as_ray_refs(mp: pytest.MonkeyPatch) -> None:
+    """The checkpointer's ray.get / ray.wait read the concurrent Futures of _InProcessGroup.save_done."""
+    from moerl.actors import checkpointer
+
+    mp.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
+    mp.setattr(checkpointer.ray, "wait", wait_futures)
+
+
 class _InProcessGroup:
     """What Checkpointer.save drives (RayTrainerGroup.save_state / save_done), on one in-process trainer."""
 
@@ -229,8 +237,7 @@ def test_export_serves_with_the_source_models_tokenizer_and_generation_config(tm
     source = tmp_path / "model"
     source.mkdir()
     generation = _chat_model_dir(source)
-    monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
-    monkeypatch.setattr(checkpointer.ray, "wait", wait_futures)
+    futures_as_ray_refs(monkeypatch)
     tr = trained(steps=1, bias_rate=0.0, vocab_size=7, eos_token_id=2, pad_token_id=0)
     files = serving_files("", str(source))  # model.path empty (random init), the task's tokenizer directory
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(files)

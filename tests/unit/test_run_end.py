@@ -25,22 +25,18 @@ def test_a_finished_run_saves_its_last_step(every, saved):
 def checkpointed(tmp_path_factory):
     """A run directory whose checkpoints hold committed steps 1 and 2, each also exported as a HF directory."""
     from moerl.actors import checkpointer
-    from tests.unit.test_checkpoint_trainer import _InProcessGroup, trained, wait_futures
+    from tests.unit.test_checkpoint_trainer import _InProcessGroup, futures_as_ray_refs, trained
 
     run_dir = tmp_path_factory.mktemp("run")
     events: list[tuple[str, str]] = []
-    real_get, real_wait = checkpointer.ray.get, checkpointer.ray.wait
-    checkpointer.ray.get = lambda refs, timeout=None: [f.result() for f in refs]
-    checkpointer.ray.wait = wait_futures
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: no monkeypatch fixture
+        futures_as_ray_refs(mp)
         tr = trained(steps=1, bias_rate=0.0)
         ckpt = checkpointer.Checkpointer(str(run_dir / "checkpoints"), keep=1, arch=tr.model.config, fingerprint={},
                                          hf_export=str(run_dir / "hf"), on_event=lambda k, t: events.append((k, t)))
         for step in (1, 2):
             ckpt.save(step, _InProcessGroup(tr), {"step": step})
             ckpt.wait()
-    finally:
-        checkpointer.ray.get, checkpointer.ray.wait = real_get, real_wait
     return run_dir, events
 
 
