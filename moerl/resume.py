@@ -32,7 +32,7 @@ OPERATIONAL = (
     "train.steps", "train.time_limit_s", "train.cpus_per_rank", "train.gpus_per_rank", "train.threads",
     "train.collective_timeout_s", "train.micro_batch_tokens", "train.activation_checkpointing", "train.data_parallel",
     "train.reduce_grads_once",
-    "train.behaviour_kl_bound", "train.step_timeout_s", "train.max_failed_fraction", "train.failure_window",
+    "train.behaviour_kl_bound", "train.health", "train.step_timeout_s", "train.max_failed_fraction", "train.failure_window",
     "rollout.num_workers", "rollout.cpus_per_worker", "rollout.gpus_per_worker", "rollout.threads",
     "rollout.heartbeat_s", "rollout.heartbeat_timeout_s", "rollout.start_timeout_s", "rollout.lease_timeout_s",
     "rollout.grace_s", "rollout.imds_url", "rollout.max_batch_size", "rollout.kv_cache_tokens",

@@ -104,6 +104,7 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           capacity_factor=cfg.model.capacity_factor, seed=cfg.run.seed, threads=t.threads,
                           data_parallel=t.data_parallel, collective_timeout_s=t.collective_timeout_s,
                           master_dtype=t.master_dtype, micro_batch_tokens=t.micro_batch_tokens,
+                          minibatches=t.minibatches,
                           activation_checkpointing=t.activation_checkpointing, reduce_grads_once=t.reduce_grads_once,
                           temperature=cfg.rollout.temperature, deterministic=cfg.run.deterministic,
                           store_host="" if _joins_cluster(cfg) else "127.0.0.1")
@@ -316,6 +317,7 @@ def _loop_config(cfg: MoerlConfig):
                       max_staleness=cfg.train.max_staleness, mode=cfg.train.mode, stale_policy=cfg.train.stale_policy,
                       max_inflight_per_worker=cfg.rollout.inflight_groups(), deterministic=cfg.run.deterministic,
                       checkpoint_every=cfg.checkpoint.every, time_limit_s=cfg.train.time_limit_s,
+                      forced_staleness=cfg.train.forced_staleness,
                       step_timeout_s=cfg.train.step_timeout_s, max_failed_fraction=cfg.train.max_failed_fraction,
                       failure_window=cfg.train.failure_window)
 
@@ -343,6 +345,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     from moerl.loop.evaluation import Evaluator
     from moerl.loop.samples import SampleBuilder
     from moerl.loop.work_queue import WorkQueue
+    from moerl.runlog.health import HealthWatch
     from moerl.runlog.mismatch import BehaviourKLWatch
     from moerl.runlog.reporter import RunReporter
 
@@ -414,10 +417,12 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                                 cfg.weights.timeout_s)
         builder = SampleBuilder(task, cfg.train.loss.normalize_adv_std, len(arch.moe_layer_indices), arch.num_experts)
         kl_watch = BehaviourKLWatch(cfg.train.behaviour_kl_bound, lambda text: report.event("warning", text))
+        health = HealthWatch(cfg.train.health, lambda text: report.event("warning", text))
 
         def on_step(step: int, metrics: dict, rows: list[dict]) -> None:
             row = report.step(step, metrics, builder.add_text(rows))  # text decoded here: off the trainer's path
             kl_watch.observe(step, row)
+            health.observe(step, row)
             last.clear()
             last.update({k: v for k, v in row.items() if isinstance(v, float)})
 

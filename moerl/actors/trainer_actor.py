@@ -41,6 +41,7 @@ class TrainerSpec:
     collective_timeout_s: float = 300.0
     master_dtype: str = "float32"  # parameters and optimizer state
     micro_batch_tokens: int = 0
+    minibatches: int = 1  # optimizer updates per RL step (train.minibatches)
     activation_checkpointing: bool | str = False  # False, True or "selective" (moerl/model/checkpointing.py)
     reduce_grads_once: bool = False  # FSDP: one reduce-scatter per step, after the last micro-batch
     temperature: float = 1.0  # the rollout's sampling temperature (the behaviour log-probs are under it)
@@ -97,7 +98,7 @@ class TrainerRank:
                                      micro_batch_tokens=spec.micro_batch_tokens,
                                      activation_checkpointing=spec.activation_checkpointing,
                                      reduce_grads_once=spec.reduce_grads_once,
-                                     temperature=spec.temperature)
+                                     temperature=spec.temperature, minibatches=spec.minibatches)
         return os.getpid()
 
     def set_lr(self, lr: float) -> None:

@@ -5,7 +5,7 @@ progress line of the RL steps, and events as lines of their own:
     [0:00:04] Ray up; starting 1 trainer rank
     warm start 40/40 | loss/sft 0.412 | 0:00:21
     [0:00:22] rollout worker rollout-0 up (1/2)
-    step 12/50 | reward 0.41 | 38.2 samples/s | staleness 0.8 | queue 5 | workers 2/2 | 0:01:13 | eta 0:02:41
+    step 12/50 | reward 0.41 | 38.2 samples/s | entropy 0.62 | ess 0.97 | clip 0.03 | staleness 0.8 | queue 5 | ...
     [0:01:20] checkpoint step 20 saved to runs/demo/checkpoints/step-20
 
 On a terminal the live line is rewritten in place (`\\r`) and stage and event lines are printed above it. Elsewhere
@@ -29,6 +29,8 @@ from moerl.runlog.run_log import STEP_PHASES
 REWARD_KEY = "reward/mean"
 SAMPLES_PER_S_KEY = "throughput/samples_per_s"
 STALENESS_KEY = "staleness/mean"
+# training health (moerl/runlog/health.py): what falls first when an off-policy run collapses
+HEALTH_KEYS = (("policy/entropy", "entropy", ".2g", 6), ("is/ess", "ess", ".2f", 7), ("policy/clip_frac", "clip", ".2f", 8))
 QUEUE_KEY = "queue/pending"
 WORKERS_ALIVE_KEY = "workers/alive"
 WORKERS_TARGET_KEY = "workers/target"
@@ -77,10 +79,13 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed
         parts.append((1, f"reward {_fmt_float(_number(metrics, REWARD_KEY), '.3g')}"))
     if SAMPLES_PER_S_KEY in metrics:
         parts.append((2, f"{_fmt_float(_number(metrics, SAMPLES_PER_S_KEY), '.1f')} samples/s"))
+    for key, name, spec, drop in HEALTH_KEYS:
+        if key in metrics:
+            parts.append((drop, f"{name} {_fmt_float(_number(metrics, key), spec)}"))
     if STALENESS_KEY in metrics:
-        parts.append((6, f"staleness {_fmt_float(_number(metrics, STALENESS_KEY), '.1f')}"))
+        parts.append((9, f"staleness {_fmt_float(_number(metrics, STALENESS_KEY), '.1f')}"))
     if QUEUE_KEY in metrics:
-        parts.append((7, f"queue {_fmt_int(_number(metrics, QUEUE_KEY))}"))
+        parts.append((10, f"queue {_fmt_int(_number(metrics, QUEUE_KEY))}"))
     if WORKERS_ALIVE_KEY in metrics:
         alive = _fmt_int(_number(metrics, WORKERS_ALIVE_KEY))
         if WORKERS_TARGET_KEY in metrics:
@@ -92,7 +97,7 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed
                          if (v := _number(metrics, f"time/{phase}_s")) is not None and v / step_s >= 0.05),
                         reverse=True)
         if shares:
-            parts.append((8, f"{step_s:.2g}s: " + " ".join(f"{short} {100 * frac:.0f}%" for frac, short in shares)))
+            parts.append((11, f"{step_s:.2g}s: " + " ".join(f"{short} {100 * frac:.0f}%" for frac, short in shares)))
     parts.append((4, format_duration(elapsed_s)))
     if eta_s is not None and math.isfinite(eta_s) and step < total_steps:
         parts.append((3, f"eta {format_duration(eta_s)}"))

@@ -38,6 +38,21 @@ def split_by_tokens(samples: list[Sample], num_ranks: int) -> list[list[Sample]]
     return [[samples[i] for i in sorted(share)] for share in shares]
 
 
+def split_contiguous(samples: list[Sample], parts: int) -> list[list[Sample]]:
+    """`parts` contiguous runs of about equal tokens, in order (a step's optimizer updates: the samples of one
+    group stay together where the token counts allow). Each sample goes to the run its first token falls in;
+    runs may be empty when there are fewer samples than parts."""
+    if parts <= 1:
+        return [list(samples)]
+    total = sum(positions(s) for s in samples)
+    runs: list[list[Sample]] = [[] for _ in range(parts)]
+    seen = 0
+    for s in samples:
+        runs[min(parts - 1, seen * parts // max(total, 1))].append(s)
+        seen += positions(s)
+    return runs
+
+
 def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
     """First-fit decreasing into micro-batches of at most `budget` positions; a sample longer than the budget
     is a micro-batch of its own. budget <= 0: one micro-batch of everything."""

@@ -1,4 +1,4 @@
-"""The RL policy loss: GRPO group advantages and a decoupled, importance-corrected PPO-clip objective.
+"""The RL policy loss: GRPO group advantages and a PPO-clip objective for off-policy (asynchronous) samples.
 
 Shape legend: B sequences, T positions (completion tokens, right-padded; `mask_BT` is True on real tokens),
 G samples per group (one prompt sampled G times), N groups.
@@ -6,24 +6,33 @@ G samples per group (one prompt sampled G times), N groups.
 Three policies appear per token (asynchronous RL, AReaL's "decoupled PPO"):
 
 * current   pi_theta   `logprobs_BT`            the trainer's log-probs now, with grad;
-* proximal  pi_prox    `proximal_logprobs_BT`   the trainer's log-probs at the start of this optimizer step
-                                                 (no grad; equals `logprobs_BT.detach()` with one minibatch
-                                                 per step);
+* proximal  pi_prox    `proximal_logprobs_BT`   the trainer's log-probs at the start of this step (no grad): a
+                                                 no-grad forward before the step's first update, or, with one
+                                                 update per step, `logprobs_BT.detach()` (the same numbers);
 * behaviour mu         `behaviour_logprobs_BT`  what the rollout engine reported when it sampled the token,
                                                  possibly several policy versions old.
 
-Per valid token, with A the sequence's advantage:
+Per valid token, with A the sequence's advantage and w = pi_prox / mu the off-policy weight:
 
-    r  = exp(logprobs - proximal)                        PPO ratio, clipped to [1 - clip_eps_low, 1 + clip_eps_high]
-    w  = exp(proximal - behaviour)                       off-policy correction, detached
-         tis : min(w, is_cap)                            truncated importance sampling
-         mask: w if is_mask_low <= w <= is_cap else 0    tokens outside the band drop out of the policy term
-         none: 1
-    loss = -w * min(r * A, clip(r) * A)
-           + kl_coef * (exp(ref - logprobs) - (ref - logprobs) - 1)      k3 estimator of KL(pi_theta || pi_ref)
+    trust_region   ratio r                  clipped?   weight c per is_correction
+    behaviour      pi_theta / mu            yes        none: 1; mask, m2po: 0 or 1 (the token dropped or kept)
+    proximal       pi_theta / pi_prox       yes        tis: min(w, is_cap); mask, m2po: w or 0; none: 1
+    none           pi_theta / sg(pi_theta)  no         as proximal (r is 1 with the gradient of log pi_theta)
+
+    surr = min(r * A, clip(r, 1 - clip_eps_low, 1 + clip_eps_high) * A)          PPO's pessimistic bound
+    surr = max(surr, clip_ratio_c * A) where A < 0                                 dual clip (0 = off)
+    loss = -c * surr
+           + kl_coef * (exp(ref - logprobs) - (ref - logprobs) - 1)              k3 estimator of KL(pi_theta || pi_ref)
            - entropy_coef * entropy
 
-The IS weight multiplies the policy-gradient term only; the KL and entropy terms and the normaliser count every
+`behaviour` bounds every update's drift from the policy that sampled the tokens: a token whose ratio already left
+the band on the side its advantage pushes gets no gradient. `proximal` bounds each update's drift from the step's
+start and corrects the staleness by w, so it acts from the second update of a step on (`train.minibatches`).
+`mask` keeps tokens with is_mask_low <= w <= is_cap; `m2po` keeps the tokens whose (log w)^2 is at most
+`m2_cutoff`, the value `m2po_cutoff` finds over the whole step (M2PO, arXiv 2510.01161: the largest second moments
+are dropped until the mean of the rest is <= m2_threshold); without one given, this batch's own.
+
+The weight multiplies the policy-gradient term only; the KL and entropy terms and the normaliser count every
 valid token, so the denominator of the loss depends on the mask alone (what `token_count` returns), never on
 the log-probs, and ranks can agree on it before the forward pass.
 
@@ -40,6 +49,10 @@ Data parallel: pass `global_tokens` (token-mean) or `global_seqs` (seq-* variant
 `token_count(mask_BT)` / `sequence_count(mask_BT)`. Each rank's loss is then its share of the global loss, and
 SUMMING the per-rank gradients (all-reduce SUM, not DDP's average) gives exactly the single-process gradient of
 the whole batch. The loss value reported is likewise the rank's share.
+
+Health statistics: `is/ess` is the effective sample size of the weights w over the batch's valid tokens,
+(sum w)^2 / (n sum w^2), 1 on-policy and towards 1/n when a few tokens carry all the weight; `is/w_sum` and
+`is/w_sq_sum` are its sums, which add up over micro-batches and ranks (`effective_sample_size`).
 """
 
 from __future__ import annotations
@@ -53,7 +66,10 @@ from moerl.train.config import LossConfig
 
 __all__ = [
     "LossConfig",
+    "effective_sample_size",
     "group_advantages",
+    "m2po_cutoff",
+    "off_policy_log_weights",
     "policy_loss",
     "sequence_count",
     "token_count",
@@ -98,6 +114,33 @@ def sequence_count(mask_BT: Tensor) -> int:
     return int(mask_BT.bool().any(dim=-1).sum().item())
 
 
+# ------------------------------------------------------------------------------------------ off-policy statistics
+def off_policy_log_weights(proximal_logprobs_N: Tensor, behaviour_logprobs_N: Tensor) -> Tensor:
+    """log w = log pi_prox - log mu per token, clamped to +-_MAX_LOG_WEIGHT (what `policy_loss` uses)."""
+    return (proximal_logprobs_N.double() - behaviour_logprobs_N.double()).clamp(-_MAX_LOG_WEIGHT, _MAX_LOG_WEIGHT)
+
+
+def m2po_cutoff(log_w_N: Tensor, threshold: float) -> float:
+    """M2PO's mask as one number: the largest (log w)^2 kept. The tokens' second moments sorted ascending, the kept
+    ones are the longest prefix whose mean is <= `threshold` (prefix means of sorted values never decrease, so
+    this drops exactly the largest ones, fewest first). inf: every token kept; -1: none (even the smallest is
+    over). Tokens tied with the cutoff beyond the prefix are kept too (ties of float second moments are rare).
+    Deterministic: every rank computes it from the same gathered values."""
+    m2_N = log_w_N.double().reshape(-1).square().sort().values
+    if m2_N.numel() == 0:
+        return math.inf
+    means_N = m2_N.cumsum(0) / torch.arange(1, m2_N.numel() + 1, dtype=m2_N.dtype, device=m2_N.device)
+    kept = int((means_N <= threshold).sum())
+    if kept == m2_N.numel():
+        return math.inf
+    return float(m2_N[kept - 1]) if kept > 0 else -1.0
+
+
+def effective_sample_size(w_sum: float, w_sq_sum: float, n: float) -> float:
+    """(sum w)^2 / (n sum w^2), in (0, 1]; 1.0 for no tokens (nothing to down-weight)."""
+    return w_sum * w_sum / (n * w_sq_sum) if n > 0 and w_sq_sum > 0 else 1.0
+
+
 # ------------------------------------------------------------------------------------------ loss
 def policy_loss(
     logprobs_BT: Tensor,
@@ -111,12 +154,14 @@ def policy_loss(
     *,
     global_tokens: int | None = None,
     global_seqs: int | None = None,
+    m2_cutoff: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Decoupled PPO-clip loss with importance correction, optional k3 KL and entropy terms (see module doc).
+    """The clipped, off-policy-corrected policy loss with optional k3 KL and entropy terms (see module doc).
 
     `advantages_B` is [B] (one advantage per sequence) or [B, T] (per token). `mask_BT` is bool or 0/1.
     `global_tokens` (token-mean) / `global_seqs` (seq-* aggregations): the normaliser summed over all
     data-parallel ranks; None = this batch's own count. The one not matching `config.aggregation` is ignored.
+    `m2_cutoff`: M2PO's cutoff over the whole step (`m2po_cutoff`); None = this batch's own.
     Returns a scalar loss (float32; float64 for float64 inputs) differentiable w.r.t. `logprobs_BT` and
     `entropy_BT`, and python-float metrics: local means over this rank's valid tokens (0.0 when there are none).
     """
@@ -148,20 +193,33 @@ def policy_loss(
     adv = advantages_B.detach()
     adv = clean(adv.unsqueeze(1).expand(B, T) if adv.dim() == 1 else adv)
 
-    # PPO clip against the proximal policy.
-    lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
-    ratio = torch.exp(lp - prox)
-    surr = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
-
-    # Off-policy correction behaviour -> proximal.
+    # The off-policy weight w = pi_prox / mu and which tokens the correction keeps.
     log_w = (prox - beh).clamp(-_MAX_LOG_WEIGHT, _MAX_LOG_WEIGHT)
     w_raw = torch.exp(log_w)
-    if config.is_correction == "tis":
+    keep = mask
+    if config.is_correction == "mask":
+        keep = mask & (w_raw >= config.is_mask_low) & (w_raw <= config.is_cap)
+    elif config.is_correction == "m2po":
+        cutoff = m2po_cutoff(log_w[mask], config.m2_threshold) if m2_cutoff is None else m2_cutoff
+        keep = mask & (log_w.square() <= cutoff)
+    if config.trust_region == "behaviour":  # the ratio carries the weight: c only keeps or drops
+        w = keep.to(dtype)
+    elif config.is_correction == "tis":
         w = w_raw.clamp(max=config.is_cap)
-    elif config.is_correction == "mask":
-        w = torch.where((w_raw >= config.is_mask_low) & (w_raw <= config.is_cap), w_raw, zero)
-    else:
+    elif config.is_correction == "none":
         w = torch.ones_like(w_raw)
+    else:
+        w = torch.where(keep, w_raw, zero)
+
+    lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
+    base = {"behaviour": beh, "proximal": prox, "none": lp.detach()}[config.trust_region]
+    ratio = torch.exp(lp - base)
+    if config.trust_region == "none":
+        surr = ratio * adv
+    else:
+        surr = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+        if config.clip_ratio_c > 0:
+            surr = torch.where(adv < 0, torch.maximum(surr, config.clip_ratio_c * adv), surr)
 
     pg_tok = -w * surr
     loss_tok = pg_tok
@@ -192,17 +250,22 @@ def policy_loss(
             fill = -math.inf if fn is torch.amax else math.inf
             return torch.where(has, fn(torch.where(mask, t, fill)), zero)
 
-        masked = (w == 0) & mask if config.is_correction == "mask" else torch.zeros_like(mask)
-        truncated = (w_raw > config.is_cap) & mask if config.is_correction == "tis" else torch.zeros_like(mask)
-        clip_low = (adv < 0) & (ratio < lo) & mask
-        clip_high = (adv > 0) & (ratio > hi) & mask
+        clipped = config.trust_region != "none"
+        masked = mask & ~keep
+        truncated = (w_raw > config.is_cap) & mask if config.is_correction == "tis" and config.trust_region != \
+            "behaviour" else torch.zeros_like(mask)
+        clip_low = (adv < 0) & (ratio < lo) & mask & clipped
+        clip_high = (adv > 0) & (ratio > hi) & mask & clipped
+        dual = (adv < 0) & (ratio > config.clip_ratio_c) & mask & clipped & (config.clip_ratio_c > 0)
         kl_beh = w_raw - 1.0 - log_w  # k3, samples from mu, w = pi_prox/mu: E_mu[w - 1 - log w] = KL(mu || pi_prox)
+        w_sum, w_sq_sum = (w_raw * m).sum(), (w_raw.square() * m).sum()
         stats = {
             "loss/policy": loss.detach(),
             "loss/pg": _aggregate(pg_tok, mask, config.aggregation, global_tokens, global_seqs),
-            "policy/clip_frac": mean(clip_low | clip_high),
+            "policy/clip_frac": mean(clip_low | clip_high | dual),
             "policy/clip_frac_low": mean(clip_low),
             "policy/clip_frac_high": mean(clip_high),
+            "policy/dual_clip_frac": mean(dual),
             "policy/ratio_mean": mean(ratio),
             "policy/ratio_max": extreme(ratio, torch.amax),
             "is/weight_mean": mean(w_raw),
@@ -213,6 +276,10 @@ def policy_loss(
             "is/masked_frac": mean(masked),
             "is/masked_tokens": masked.sum(),
             "is/behaviour_kl": mean(kl_beh),
+            "is/ess": torch.where(has & (w_sq_sum > 0), w_sum.square() / (n * w_sq_sum).clamp(min=1e-300),
+                                  torch.ones((), dtype=dtype, device=n.device)),
+            "is/w_sum": w_sum,
+            "is/w_sq_sum": w_sq_sum,
             "tokens": n,
             "sequences": mask.any(dim=-1).sum(),
         }

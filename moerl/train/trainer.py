@@ -1,13 +1,17 @@
-"""One trainer rank: the policy's loss on rollout samples, in token-budget micro-batches, then one optimizer step.
+"""One trainer rank: the policy's loss on rollout samples, in token-budget micro-batches and `minibatches` optimizer
+updates per step.
 
 Shape legend: S sequences of a micro-batch, P its longest sequence, T packed positions, L MoE layers, E experts.
 
 A step (`rl_step`, `sft_step`) takes this rank's samples (the driver splits a batch over the ranks by tokens,
-`batching.split_by_tokens`), packs them into micro-batches of at most `micro_batch_tokens` positions with no
-padding rows, and for each: forward (routing replay on the experts the rollout chose), token log-probs from
-the final hidden states in chunks (never tokens x vocabulary in float32), the loss normalised by the global
-token (or sequence) count, backward. Gradients accumulate in float32 on the float32 master parameters; one
-clip and one AdamW step follow. Every rank runs the same number of micro-batches (the shortest pad with empty
+`batching.split_by_tokens`). An RL step with several updates (or M2PO's mask) first runs one no-grad forward of
+them all: the step-start log-probs, the proximal policy of moerl/train/loss.py. Then, for each of its
+`minibatches` contiguous shares (`batching.split_contiguous`), one update: the share packed into micro-batches of
+at most `micro_batch_tokens` positions with no padding rows, and for each: forward (routing replay on the experts
+the rollout chose), token log-probs from the final hidden states in chunks (never tokens x vocabulary in
+float32), the loss normalised by the update's global token (or sequence) count, backward. Gradients accumulate in
+float32 on the float32 master parameters; one clip and one AdamW step follow (its learning rate times sqrt(ESS)
+with `loss.ess_lr_scaling`). Every rank runs the same number of micro-batches (the shortest pad with empty
 ones) because every forward joins collectives (FSDP gathers, EP all-to-alls).
 
 Parallelism and mixed precision: moerl/train/parallel.py. Summed gradients of losses normalised by global
@@ -26,16 +30,19 @@ import torch.distributed as dist
 from moerl.model.checkpointing import CheckpointMode
 from moerl.model.moe import is_expert_param
 from moerl.model.transformer import MoECausalLM
-from moerl.train.batching import PackedBatch, micro_batches, pack
+from moerl.train.batching import PackedBatch, micro_batches, pack, split_contiguous
 from moerl.train.config import LossConfig, OptimConfig
-from moerl.train.loss import policy_loss
+from moerl.train.loss import effective_sample_size, m2po_cutoff, off_policy_log_weights, policy_loss
 from moerl.train.parallel import TrainerGroups, compute_cast, full_tensor, local, shard_model
 from moerl.train.sample import Sample
+from moerl.train.step_metrics import merge_micro_batch, merge_rank_metrics, merge_updates
 
-__all__ = ["LossConfig", "OptimConfig", "PolicyTrainer", "Sample"]
+__all__ = ["LossConfig", "OptimConfig", "PolicyTrainer", "Sample", "merge_rank_metrics"]
 
-_SUMMED = ("loss/", "tokens", "sequences", "is/masked_tokens")  # metrics added over micro-batches
 _PROBE = 1024  # elements per tensor sampled for update/param_change_frac
+PROXIMAL_NEEDS_MINIBATCHES = ("trust_region 'proximal' with one update per step bounds nothing (the ratio to the "
+                              "step-start policy is 1 on the only update): set train.minibatches >= 2, or "
+                              "trust_region 'behaviour'")
 
 
 class PolicyTrainer:
@@ -44,15 +51,22 @@ class PolicyTrainer:
                  expert_bias_rate: float = 0.0, data_parallel: Literal["fsdp", "replicate"] = "fsdp",
                  compute_dtype: torch.dtype | None = None, micro_batch_tokens: int = 0,
                  activation_checkpointing: CheckpointMode = False, logprob_chunk_tokens: int | None = None,
-                 temperature: float = 1.0, reduce_grads_once: bool = False) -> None:
+                 temperature: float = 1.0, reduce_grads_once: bool = False, minibatches: int = 1) -> None:
         """model: built in the master dtype (float32), its experts already split by `groups.ep`.
         compute_dtype: forward/backward dtype (None = the parameters'). micro_batch_tokens: positions per
         micro-batch (0 = all of the rank's samples in one). temperature: the rollout's sampling temperature:
         the behaviour log-probs are of softmax(logits / temperature), so the policy's must be too.
         reduce_grads_once: FSDP only: gradients accumulate unsharded (float32) over the micro-batches and are
-        reduce-scattered once, after the last (FSDP2's `set_requires_gradient_sync`), not after each."""
+        reduce-scattered once, after the last (FSDP2's `set_requires_gradient_sync`), not after each.
+        minibatches: optimizer updates per RL step, each over a contiguous share of this rank's samples."""
         if data_parallel not in ("fsdp", "replicate"):
             raise ValueError(f"data_parallel must be 'fsdp' or 'replicate', got {data_parallel!r}")
+        if minibatches < 1:
+            raise ValueError(f"minibatches must be >= 1, got {minibatches}")
+        loss.validate()
+        if loss.trust_region == "proximal" and minibatches == 1:
+            raise ValueError(PROXIMAL_NEEDS_MINIBATCHES)
+        self.minibatches = minibatches
         self.model, self.optim_cfg, self.loss_cfg = model, optim, loss
         self.groups = groups or TrainerGroups(None, None, 1, None)
         self.group, self.world, self.rank = self.groups.world, self.groups.world_size, self.groups.rank
@@ -88,30 +102,52 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ steps
     def rl_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step of the policy loss; every rank calls it with its share of the batch."""
+        """One RL step of the policy loss: `minibatches` optimizer updates over this rank's share of the batch,
+        in order; every rank calls it with its share. With several updates (or M2PO's mask) a no-grad forward
+        first takes the step-start log-probs, the proximal policy the clip and the off-policy weights measure."""
         cfg = self.loss_cfg
         replay = self.routing_replay and all(s.routed_experts is not None for s in samples)
+        start: dict[int, torch.Tensor] | None = None
+        t0 = self._now()
+        if cfg.needs_step_start(self.minibatches):
+            start = dict(zip(map(id, samples), self._forward_logprobs(samples, replay, self.temperature)))
+        cutoff = self._m2_cutoff(samples, start) if cfg.is_correction == "m2po" else None
+        proximal_s = self._now() - t0
 
-        def loss_fn(batch: PackedBatch, out, tokens: int, seqs: int, n_micro: int):
+        def loss_fn(batch: PackedBatch, chunk: list[Sample], out, tokens: int, seqs: int, n_micro: int):
             logp_SP = batch.to_grid(out.logprobs_1T)
-            loss, metrics = policy_loss(logp_SP, logp_SP.detach(), batch.behaviour_SP, batch.advantages_S,
-                                        batch.mask_SP, cfg, entropy_BT=batch.to_grid(out.entropy_1T),
-                                        global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
+            prox_SP = logp_SP.detach()
+            if start is not None and chunk:  # the mask's True cells are the samples' completion tokens, in order
+                prox_SP = torch.zeros_like(logp_SP, dtype=torch.float32)
+                prox_SP[batch.mask_SP] = torch.cat([start[id(s)] for s in chunk])
+            loss, metrics = policy_loss(logp_SP, prox_SP, batch.behaviour_SP, batch.advantages_S, batch.mask_SP, cfg,
+                                        entropy_BT=batch.to_grid(out.entropy_1T), global_tokens=max(tokens, 1),
+                                        global_seqs=max(seqs, 1), m2_cutoff=cutoff)
             if out.aux_loss is not None:  # the mean over ranks and micro-batches of the balancing loss
                 loss = loss + self.aux_loss_coef * out.aux_loss / (self.world * n_micro)
                 metrics["loss/aux"] = float(out.aux_loss.detach()) / n_micro
             return loss, metrics
-        return self._step(samples, loss_fn, replay, with_entropy=True, temperature=self.temperature)
+        chunks = split_contiguous(samples, self.minibatches)
+        updates = [self._step(chunk, loss_fn, replay, with_entropy=True, temperature=self.temperature,
+                              skip_empty=len(chunks) > 1) for chunk in chunks]
+        metrics = merge_updates([u for u in updates if u] or updates[:1])
+        for key in ("is/w_sum", "is/w_sq_sum"):
+            metrics.pop(key, None)
+        if start is not None:
+            metrics["time/proximal_s"] = proximal_s
+        return metrics
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """Supervised warm start: token-mean cross-entropy of the completion tokens."""
-        def loss_fn(batch: PackedBatch, out, tokens: int, seqs: int, n_micro: int):
+        def loss_fn(batch: PackedBatch, chunk: list[Sample], out, tokens: int, seqs: int, n_micro: int):
             loss = -(batch.to_grid(out.logprobs_1T) * batch.mask_SP).sum() / max(tokens, 1)
             return loss, {"loss/sft": float(loss.detach()), "tokens": float(batch.mask_SP.sum())}  # summed over ranks
         return self._step(samples, loss_fn, replay=False, with_entropy=False, temperature=1.0)
 
     def _step(self, samples: list[Sample], loss_fn: Callable, replay: bool, with_entropy: bool,
-              temperature: float) -> dict[str, float]:
+              temperature: float, skip_empty: bool = False) -> dict[str, float]:
+        """One optimizer update over `samples` (this rank's), in micro-batches. skip_empty: no update at all (and
+        {} back) when no rank has a token, as every rank sees from the same global count."""
         self.model.train()
         # global normalisers (completion tokens, non-empty completions) and the micro-batch count, in one call
         local_bins = micro_batches(samples, self.micro_batch_tokens)
@@ -125,6 +161,8 @@ class PolicyTrainer:
         global_tokens, global_seqs, bad_ranks = (int(c) for c in counts.tolist())
         if bad_ranks:
             raise ValueError(bad or f"{bad_ranks} other trainer rank(s) got token ids outside the vocabulary")
+        if skip_empty and global_tokens == 0:
+            return {}
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         counts_LE = torch.zeros(self.model.num_moe_layers, self.model.config.num_experts, dtype=torch.long,
@@ -132,8 +170,9 @@ class PolicyTrainer:
         m = self.model
         t0 = self._now()
         for i in range(n_micro):  # ranks with fewer micro-batches run empty ones: every forward is collective
-            batch = pack(local_bins[i] if i < len(local_bins) else [], m.num_moe_layers,
-                         m.config.num_experts_per_tok, self.device, m.config.pad_token_id or 0)
+            chunk = local_bins[i] if i < len(local_bins) else []
+            batch = pack(chunk, m.num_moe_layers, m.config.num_experts_per_tok, self.device,
+                         m.config.pad_token_id or 0)
             real = i < len(local_bins)
             if self.fsdp and self.reduce_grads_once:  # every rank runs n_micro backwards: the last one syncs
                 m.set_requires_gradient_sync(i == n_micro - 1)
@@ -142,39 +181,61 @@ class PolicyTrainer:
                                          routed_experts_BTLK=batch.routed_1TLK if (replay or not real) else None,
                                          with_aux_loss=self.aux_loss_coef > 0, with_entropy=with_entropy,
                                          chunk_tokens=self.logprob_chunk_tokens, temperature=temperature)
-                loss, mb_metrics = loss_fn(batch, out, global_tokens, global_seqs, n_micro)
+                loss, mb_metrics = loss_fn(batch, chunk, out, global_tokens, global_seqs, n_micro)
                 if not real:  # keeps every parameter in the graph (FSDP's reduce-scatter runs on every rank)
                     loss = loss + 0.0 * out.logprobs_1T.sum()
                 loss.backward()  # inside: checkpointed layers recompute with the same (cast) weights
             if real:
                 counts_LE += _expert_counts(out.routed_experts_BTLK, m.config.num_experts)
-                _merge(metrics, mb_metrics)
+                merge_micro_batch(metrics, mb_metrics)
         metrics["time/fwd_bwd_s"] = self._now() - t0
         return self._apply(metrics, counts_LE, global_tokens)
 
     @torch.no_grad()
+    def _forward_logprobs(self, samples: list[Sample], replay: bool, temperature: float) -> list[torch.Tensor]:
+        """Each sample's completion-token log-probs under the current weights (float32, on the trainer's device),
+        computed as an update computes them (packing, micro-batches, compute dtype, routing replay, temperature)
+        with no gradient. Collective: every rank runs as many micro-batches as the rank with the most."""
+        m = self.model
+        bins = micro_batches(samples, self.micro_batch_tokens)
+        n_micro = int(self._all_reduce(torch.tensor([len(bins)], device=self.device), dist.ReduceOp.MAX))
+        by_id: dict[int, torch.Tensor] = {}
+        for i in range(n_micro):
+            chunk = bins[i] if i < len(bins) else []
+            batch = pack(chunk, m.num_moe_layers, m.config.num_experts_per_tok, self.device,
+                         m.config.pad_token_id or 0)
+            with compute_cast(m, None if self.fsdp else self.compute_dtype):
+                out = m.forward_logprobs(batch.input_ids_1T, batch.target_ids_1T, packed=batch.packed,
+                                         routed_experts_BTLK=batch.routed_1TLK if (replay or not chunk) else None,
+                                         chunk_tokens=self.logprob_chunk_tokens, temperature=temperature)
+            logp_SP = batch.to_grid(out.logprobs_1T).float()
+            for j, sample in enumerate(chunk):
+                by_id[id(sample)] = logp_SP[j][batch.mask_SP[j]]
+        return [by_id[id(s)] for s in samples]
+
+    def _m2_cutoff(self, samples: list[Sample], start: dict[int, torch.Tensor]) -> float:
+        """M2PO's cutoff over the whole step: every rank's log-weights gathered (padded to the longest), the same
+        number on every rank."""
+        log_w_N = torch.cat([off_policy_log_weights(start[id(s)], torch.tensor(s.behaviour_logprobs,
+                                                                                device=self.device))
+                             for s in samples]) if samples else torch.zeros(0, dtype=torch.float64, device=self.device)
+        if self.group is not None and self.world > 1:
+            n = int(self._all_reduce(torch.tensor([log_w_N.numel()], device=self.device), dist.ReduceOp.MAX))
+            padded = torch.full((n,), math.nan, dtype=torch.float64, device=self.device)
+            padded[: log_w_N.numel()] = log_w_N
+            gathered = torch.empty(n * self.world, dtype=torch.float64, device=self.device)
+            # all_gather_single from torch 2.13 on (its predecessor warns there), all_gather_into_tensor before
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, padded, group=self.group)
+            log_w_N = gathered[~gathered.isnan()]
+        return m2po_cutoff(log_w_N, self.loss_cfg.m2_threshold)
+
     def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Each sample's completion-token log-probs under the current weights, computed as `rl_step` computes
         them (packing, micro-batches, compute dtype, routing replay, temperature) but with no step: what the
-        rollout's log-probs are checked against (tests/gpu). float32 on the CPU, in the samples' order. One
-        rank only: a sharded model's forward is a collective that the other ranks would have to join."""
-        if self.world > 1:
-            raise ValueError("token_logprobs runs on a single-rank trainer")
-        m = self.model
+        rollout's log-probs are checked against (tests/gpu). float32 on the CPU, in the samples' order; every rank
+        calls it with its own samples."""
         replay = self.routing_replay and all(s.routed_experts is not None for s in samples)
-        by_id: dict[int, torch.Tensor] = {}
-        for chunk in micro_batches(samples, self.micro_batch_tokens):
-            batch = pack(chunk, m.num_moe_layers, m.config.num_experts_per_tok, self.device,
-                         m.config.pad_token_id or 0)
-            with compute_cast(m, self.compute_dtype):
-                out = m.forward_logprobs(batch.input_ids_1T, batch.target_ids_1T, packed=batch.packed,
-                                         routed_experts_BTLK=batch.routed_1TLK if replay else None,
-                                         chunk_tokens=self.logprob_chunk_tokens, temperature=self.temperature)
-            logp_SP = batch.to_grid(out.logprobs_1T).float().cpu()
-            mask_SP = batch.mask_SP.cpu()
-            for i, sample in enumerate(chunk):
-                by_id[id(sample)] = logp_SP[i][mask_SP[i]]
-        return [by_id[id(s)] for s in samples]
+        return [t.cpu() for t in self._forward_logprobs(samples, replay, self.temperature)]
 
     def _now(self) -> float:
         """A clock reading after the device's queued work (CUDA runs asynchronously to the host)."""
@@ -195,8 +256,14 @@ class PolicyTrainer:
                     offset += p.numel()
         t0 = self._now()
         metrics["grad_norm"] = self._clip_grad_norm()
+        scale = self._ess(metrics, tokens)
         probe = _ChangeProbe(self.model, self.compute_dtype)
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:  # VCPO: this update's step shrinks with its weights' ESS
+            group["lr"] *= scale
         self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
         self.scheduler.step()
         metrics["time/optimizer_s"] = self._now() - t0
         counts = self._all_reduce(counts_LE.clone())  # all ranks' tokens: for the bias and the load plots
@@ -212,6 +279,19 @@ class PolicyTrainer:
         return metrics
 
     # ------------------------------------------------------------------ helpers
+    def _ess(self, metrics: dict, tokens: int) -> float:
+        """The update's effective sample size over every rank's tokens (`is/ess`, with its global sums), and the
+        learning-rate factor it gives: sqrt(ESS) with `ess_lr_scaling` (VCPO's rule for AdamW), else 1."""
+        if "is/w_sum" not in metrics:  # a supervised step: no off-policy weights
+            return 1.0
+        sums = self._all_reduce(torch.tensor([metrics["is/w_sum"], metrics["is/w_sq_sum"]], dtype=torch.float64,
+                                             device=self.device))
+        metrics["is/w_sum"], metrics["is/w_sq_sum"] = sums.tolist()
+        metrics["is/ess"] = effective_sample_size(metrics["is/w_sum"], metrics["is/w_sq_sum"], tokens)
+        scale = math.sqrt(metrics["is/ess"]) if self.loss_cfg.ess_lr_scaling else 1.0
+        metrics["optim/lr_scale"] = scale
+        return scale
+
     def _is_expert_param(self, name: str) -> bool:
         return self.expert_parallel and is_expert_param(name)
 
@@ -292,52 +372,6 @@ def _expert_counts(routed_1TLK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.stack([torch.bincount(routed_NLK[:, l].reshape(-1), minlength=num_experts)
                         for l in range(routed_NLK.shape[1])]) if routed_NLK.shape[1] else \
         routed_1TLK.new_zeros(0, num_experts)
-
-
-def _merge(acc: dict[str, float], new: dict[str, float]) -> None:
-    """Fold one micro-batch's metrics in: losses and counts add up, extremes take the extreme, means are
-    weighted by the micro-batch's tokens."""
-    w_old, w_new = acc.get("tokens", 0.0), new.get("tokens", 0.0)
-    for key, value in new.items():
-        if key not in acc:
-            acc[key] = value
-        elif key.startswith(_SUMMED):
-            acc[key] += value
-        elif key.endswith("_max"):
-            acc[key] = max(acc[key], value)
-        elif key.endswith("_min"):
-            acc[key] = min(acc[key], value)
-        else:
-            acc[key] = (acc[key] * w_old + value * w_new) / max(w_old + w_new, 1.0)
-
-
-_SAME_ON_EVERY_RANK = ("tokens", "grad_norm", "lr", "expert_counts")  # all-reduced or shared
-_SUM_OVER_RANKS = ("loss/policy", "loss/pg", "loss/sft", "sequences", "is/masked_tokens")  # normalised by global counts
-
-
-def merge_rank_metrics(per_rank: list[dict]) -> dict:
-    """One step's metrics from every trainer rank's: losses normalised by the global counts and counts add up;
-    extremes and step times (the step waits for its slowest rank) take the extreme; the rest are this rank's
-    means, weighted by its tokens. (Rank 0's alone described a share of the batch.)"""
-    weights = [float(m.get("rank_tokens", 0.0)) for m in per_rank]
-    total = sum(weights)
-    out: dict = {}
-    for key, first in per_rank[0].items():
-        if key == "rank_tokens":
-            continue
-        values = [m[key] for m in per_rank if key in m]
-        if key in _SAME_ON_EVERY_RANK or not isinstance(first, (int, float)) or len(values) != len(per_rank):
-            out[key] = first
-        elif key.startswith(_SUM_OVER_RANKS):
-            out[key] = sum(values)
-        elif key.endswith("_max") or key.startswith("time/"):
-            out[key] = max(values)
-        elif key.endswith("_min"):
-            out[key] = min(values)
-        else:
-            out[key] = (sum(v * w for v, w in zip(values, weights)) / total if total > 0
-                        else sum(values) / len(values))
-    return out
 
 
 class _ChangeProbe:

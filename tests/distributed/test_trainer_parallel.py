@@ -34,7 +34,7 @@ def arch():
 
 
 def make(group=None, layout: str = "replicate", ep: bool | int = False, loss: LossConfig | None = None,
-         micro_batch_tokens: int = 0, reduce_grads_once: bool = False) -> PolicyTrainer:
+         micro_batch_tokens: int = 0, reduce_grads_once: bool = False, minibatches: int = 1) -> PolicyTrainer:
     """ep: True = experts split over every rank; an int = that EP size."""
     ep_size = (dist.get_world_size() if ep is True else int(ep)) if group is not None else 1
     groups = trainer_groups(max(ep_size, 1), "cpu") if group is not None else None
@@ -42,7 +42,7 @@ def make(group=None, layout: str = "replicate", ep: bool | int = False, loss: Lo
                         dispatcher="all_to_all" if ep_size > 1 else "local")
     return PolicyTrainer(model, OptimConfig(lr=1e-3, weight_decay=0.01), loss or LossConfig(), groups=groups,
                          expert_bias_rate=1e-3, data_parallel=layout, micro_batch_tokens=micro_batch_tokens,
-                         reduce_grads_once=reduce_grads_once)
+                         reduce_grads_once=reduce_grads_once, minibatches=minibatches)
 
 
 def step_samples(step: int) -> list[Sample]:
@@ -215,6 +215,44 @@ def test_sequence_mean_and_entropy_bonus_step_like_one_process(tmp_path):
     for name, w in ref.publish_state().items():
         g = torch.cat([got[r]["state"][name] for r in range(2)]) if ".experts." in name else got[0]["state"][name]
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------- off-policy corrections under data parallelism
+OFF_POLICY = LossConfig(trust_region="proximal", is_correction="m2po", m2_threshold=0.02, ess_lr_scaling=True)
+
+
+def off_policy_worker(rank: int, world: int, out_dir: str) -> None:
+    trainer = make(dist.group.WORLD, "fsdp", ep=True, loss=OFF_POLICY, minibatches=2)
+    metrics = run_steps(trainer, rank, world)
+    torch.save({"metrics": metrics, "state": trainer.publish_state()}, Path(out_dir) / f"off-rank{rank}.pt")
+
+
+def test_minibatches_m2po_and_ess_scaling_step_like_one_process(tmp_path, monkeypatch):
+    """Two updates per step with the proximal clip, M2PO's cutoff over every rank's tokens and the ESS-scaled step:
+    2 ranks (FSDP x EP) step like one process whose updates take the same samples (each update the union of the
+    ranks' shares), so the gathered cutoff and the all-reduced ESS are the whole batch's."""
+    from moerl.train import trainer as trainer_module
+    from moerl.train.batching import split_contiguous
+
+    run_ranks(2, off_policy_worker, str(tmp_path), timeout=180)
+
+    def unions(samples, parts):  # update j of one process = the ranks' update-j shares together
+        per_rank = [split_contiguous(share, parts) for share in split_by_tokens(samples, 2)]
+        return [per_rank[0][j] + per_rank[1][j] for j in range(parts)]
+
+    monkeypatch.setattr(trainer_module, "split_contiguous", unions)
+    ref = make(loss=OFF_POLICY, minibatches=2)
+    ref_metrics = run_steps(ref, 0, 1)
+    got = [torch.load(tmp_path / f"off-rank{r}.pt") for r in range(2)]
+    for step, want in enumerate(ref_metrics):
+        merged = merge_rank_metrics([got[r]["metrics"][step] for r in range(2)])
+        for key in ("grad_norm", "is/ess", "optim/lr_scale", "is/masked_frac", "policy/clip_frac", "loss/policy"):
+            torch.testing.assert_close(float(merged[key]), float(want[key]), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {key}: {m}")
+        assert want["optim/updates"] == 2.0 and want["is/ess"] < 0.99 and want["is/masked_frac"] > 0
+    for name, w in ref.publish_state().items():
+        g = torch.cat([got[r]["state"][name] for r in range(2)]) if ".experts." in name else got[0]["state"][name]
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=3e-5, msg=lambda m: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------- checkpoints do not depend on the layout

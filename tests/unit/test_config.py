@@ -262,7 +262,8 @@ def test_importing_the_config_does_not_import_torch():
 # ------------------------------------------------------------------- train.loss and train.optim
 # a valid, non-default value for every field of the two sections (a new field must be added here)
 NON_DEFAULT = {
-    "loss": {"clip_eps_low": 0.1, "clip_eps_high": 0.3, "is_correction": "mask", "is_cap": 3.0, "is_mask_low": 0.25,
+    "loss": {"trust_region": "none", "clip_eps_low": 0.1, "clip_eps_high": 0.3, "clip_ratio_c": 5.0,
+             "is_correction": "mask", "is_cap": 3.0, "is_mask_low": 0.25, "m2_threshold": 0.1, "ess_lr_scaling": True,
              "kl_coef": 0.05, "aggregation": "seq-mean-token-sum", "normalize_adv_std": False, "entropy_coef": 0.01},
     "optim": {"lr": 3e-5, "weight_decay": 0.1, "betas": (0.8, 0.99), "grad_clip": 0.0, "warmup_steps": 10},
 }
@@ -284,8 +285,9 @@ def test_train_defaults_are_unchanged():
     train = MoerlConfig().train
     assert train.optim == OptimConfig() and train.loss == LossConfig()
     assert (train.optim.lr, train.optim.grad_clip) == (1e-4, 1.0)
-    assert (train.loss.clip_eps_low, train.loss.clip_eps_high, train.loss.is_correction, train.loss.is_cap,
-            train.loss.kl_coef, train.loss.normalize_adv_std) == (0.2, 0.28, "tis", 2.0, 0.0, True)
+    assert (train.loss.trust_region, train.loss.clip_eps_low, train.loss.clip_eps_high, train.loss.clip_ratio_c,
+            train.loss.is_correction, train.loss.is_cap, train.loss.kl_coef, train.loss.normalize_adv_std,
+            train.minibatches) == ("behaviour", 0.2, 0.28, 3.0, "none", 2.0, 0.0, True, 1)
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))
@@ -307,6 +309,20 @@ def test_every_loss_and_optim_field_is_settable_from_file_and_command_line(tmp_p
     settable = {k: v for k, v in values.items() if (section, k) not in REFUSED}
     everything = load_config(None, [f"--train.{section}.{k}={toml_literal(v)}" for k, v in settable.items()])
     assert getattr(everything.train, section) == cls(**settable)
+
+
+def test_the_proximal_trust_region_needs_several_updates_per_step():
+    with pytest.raises(ConfigError, match=r"'train.minibatches' must be >= 2 with train.loss.trust_region = 'proximal'"):
+        load_config(None, ["--train.loss.trust_region=proximal"])
+    assert load_config(None, ["--train.loss.trust_region=proximal", "--train.minibatches=2"]).train.minibatches == 2
+
+
+def test_forced_staleness_must_pass_the_staleness_gate_in_async_mode():
+    with pytest.raises(ConfigError, match=r"'train.forced_staleness' must be <= train.max_staleness \(1\)"):
+        load_config(None, ["--train.forced_staleness=2"])
+    with pytest.raises(ConfigError, match=r"'train.forced_staleness' needs train.mode = 'async'"):
+        load_config(None, ["--train.forced_staleness=1", "--train.mode=sync"])
+    assert load_config(None, ["--train.forced_staleness=4", "--train.max_staleness=4"]).train.forced_staleness == 4
 
 
 def test_kl_coef_is_refused_until_the_trainer_keeps_a_reference_policy():

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from moerl.train.loss import LossConfig, group_advantages, policy_loss, sequence_count, token_count
+from moerl.train.loss import (LossConfig, effective_sample_size, group_advantages, m2po_cutoff, policy_loss,
+                              sequence_count, token_count)
 
 AGGREGATIONS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
@@ -75,11 +76,15 @@ def test_group_advantages_one_group_and_int_rewards():
 
 
 # ----------------------------------------------------------------------------------------- on-policy == vanilla PG
-@pytest.mark.parametrize("is_correction", ["tis", "mask", "none"])
-def test_on_policy_gradient_is_vanilla_policy_gradient(is_correction):
+ON_POLICY_CONFIGS = [("behaviour", "none"), ("behaviour", "mask"), ("behaviour", "m2po"), ("proximal", "tis"),
+                     ("proximal", "mask"), ("proximal", "m2po"), ("proximal", "none"), ("none", "tis"), ("none", "none")]
+
+
+@pytest.mark.parametrize("trust_region,is_correction", ON_POLICY_CONFIGS)
+def test_on_policy_gradient_is_vanilla_policy_gradient(trust_region, is_correction):
     pol = LinearPolicy()
     adv_B = torch.tensor([1.5, -0.7, 2.0, 0.3], dtype=torch.float64)
-    cfg = LossConfig(is_correction=is_correction)
+    cfg = LossConfig(trust_region=trust_region, is_correction=is_correction)
     lp = pol.logprobs()
     loss, metrics = policy_loss(lp, lp.detach(), lp.detach(), adv_B, pol.mask_BT, cfg)
     m = pol.mask_BT.double()
@@ -88,6 +93,7 @@ def test_on_policy_gradient_is_vanilla_policy_gradient(is_correction):
     torch.testing.assert_close(loss.double(), -(adv_B[:, None] * m).sum() / m.sum(), rtol=1e-6, atol=1e-6)
     assert metrics["policy/clip_frac"] == 0.0 and metrics["is/weight_mean"] == pytest.approx(1.0)
     assert metrics["policy/ratio_mean"] == pytest.approx(1.0) and metrics["is/behaviour_kl"] == pytest.approx(0.0)
+    assert metrics["is/ess"] == pytest.approx(1.0) and metrics["is/masked_frac"] == 0.0
     assert metrics["tokens"] == 10.0 and metrics["sequences"] == 3.0
     assert all(isinstance(v, float) for v in metrics.values())
 
@@ -152,7 +158,8 @@ def test_tis_truncates_weights():
     ws = [0.25, 1.0, 3.0, 10.0]
     lp, prox, beh, mask = _off_policy(ws)
     adv = torch.tensor([2.0], dtype=torch.float64)
-    loss, metrics = policy_loss(lp, prox, beh, adv, mask, LossConfig(is_correction="tis", is_cap=2.0))
+    loss, metrics = policy_loss(lp, prox, beh, adv, mask, LossConfig(trust_region="proximal", is_correction="tis",
+                                                                        is_cap=2.0))
     used = torch.tensor([0.25, 1.0, 2.0, 2.0], dtype=torch.float64)
     torch.testing.assert_close(grad_of(loss, lp)[0], -used * 2.0 / 4, rtol=1e-5, atol=1e-7)
     assert loss.item() == pytest.approx(float(-(used * 2.0).mean()), rel=1e-5)
@@ -169,7 +176,7 @@ def test_mask_mode_masks_and_counts():
     ws = [0.25, 0.5, 1.0, 2.0, 3.0]  # band [0.5, 2.0] is inclusive
     lp, prox, beh, mask = _off_policy(ws)
     adv = torch.tensor([1.0], dtype=torch.float64)
-    cfg = LossConfig(is_correction="mask", is_cap=2.0, is_mask_low=0.5)
+    cfg = LossConfig(trust_region="proximal", is_correction="mask", is_cap=2.0, is_mask_low=0.5)
     loss, metrics = policy_loss(lp, prox, beh, adv, mask, cfg)
     used = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.0], dtype=torch.float64)
     torch.testing.assert_close(grad_of(loss, lp)[0], -used / 5, rtol=1e-5, atol=1e-7)  # still / all 5 tokens
@@ -180,7 +187,7 @@ def test_mask_mode_masks_and_counts():
 def test_none_mode_ignores_behaviour():
     lp, prox, beh, mask = _off_policy([0.25, 3.0])
     loss, metrics = policy_loss(lp, prox, beh, torch.ones(1, dtype=torch.float64), mask,
-                                LossConfig(is_correction="none"))
+                                LossConfig(trust_region="proximal", is_correction="none"))
     torch.testing.assert_close(grad_of(loss, lp)[0], torch.full((2,), -0.5, dtype=torch.float64))
     assert metrics["is/weight_max"] == pytest.approx(3.0, rel=1e-5)  # still reported as a diagnostic
 
@@ -191,7 +198,8 @@ def test_is_weight_does_not_touch_ratio_or_proximal_gradient():
     lp = torch.tensor([[0.05, 0.1]], dtype=torch.float64, requires_grad=True)
     beh = torch.tensor([[0.3, -0.2]], dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, _ = policy_loss(lp, prox, beh, torch.ones(1, dtype=torch.float64), mask, LossConfig(is_correction="tis"))
+    loss, _ = policy_loss(lp, prox, beh, torch.ones(1, dtype=torch.float64), mask,
+                          LossConfig(trust_region="proximal", is_correction="tis"))
     g_lp, g_prox = torch.autograd.grad(loss, [lp, prox], allow_unused=True)
     assert g_prox is None or torch.all(g_prox == 0)
     r = torch.exp(lp.detach() - prox.detach())
@@ -276,7 +284,8 @@ def test_all_masked_batch_is_zero_and_finite():
                                     LossConfig(aggregation=aggregation, is_correction="mask"))
         assert loss.item() == 0.0
         assert torch.equal(grad_of(loss, lp), torch.zeros(2, 3, dtype=torch.float64))
-        assert metrics["tokens"] == 0.0 and all(v == 0.0 for v in metrics.values())
+        assert metrics["is/ess"] == 1.0  # nothing to down-weight
+        assert metrics["tokens"] == 0.0 and all(v == 0.0 for k, v in metrics.items() if k != "is/ess")
 
 
 def test_token_level_advantages_and_float_mask():
@@ -367,3 +376,163 @@ def test_coefficient_without_its_input_is_an_error():
         policy_loss(*args, LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy_BT"):
         policy_loss(*args, LossConfig(entropy_coef=0.1))
+
+
+# ----------------------------------------------------------------------------------------- trust regions (issue 35)
+VALID_CONFIGS = [("behaviour", "none"), ("behaviour", "mask"), ("behaviour", "m2po"), ("proximal", "tis"),
+                 ("proximal", "mask"), ("proximal", "m2po"), ("proximal", "none"), ("none", "tis"), ("none", "none")]
+
+
+def reference_token_loss(lp: float, prox: float, beh: float, a: float, cfg: LossConfig, cutoff: float) -> float:
+    """One token's policy term written out from the module doc, in python floats (float64)."""
+    log_w = max(-20.0, min(20.0, prox - beh))
+    w = math.exp(log_w)
+    keep = {"mask": cfg.is_mask_low <= w <= cfg.is_cap, "m2po": log_w * log_w <= cutoff}.get(cfg.is_correction, True)
+    if cfg.trust_region == "behaviour":
+        c = 1.0 if keep else 0.0
+    else:
+        c = {"tis": min(w, cfg.is_cap), "none": 1.0}.get(cfg.is_correction, w if keep else 0.0)
+    if cfg.trust_region == "none":
+        return -c * a * math.exp(lp - lp)  # the value; its gradient is -c * a * dlp (see the test)
+    r = math.exp(lp - (beh if cfg.trust_region == "behaviour" else prox))
+    surr = min(r * a, min(max(r, 1 - cfg.clip_eps_low), 1 + cfg.clip_eps_high) * a)
+    if a < 0 and cfg.clip_ratio_c > 0:
+        surr = max(surr, cfg.clip_ratio_c * a)
+    return -c * surr
+
+
+@pytest.mark.parametrize("trust_region,is_correction", VALID_CONFIGS)
+def test_every_objective_matches_a_float64_reference_on_a_moved_policy(trust_region, is_correction):
+    """A batch whose policy moved (current != proximal != behaviour, ratios well outside the band): value and
+    gradient per token against the module doc's formulas written out per token; the clip acts wherever it may."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 7
+    mask = torch.rand(B, T, generator=g) < 0.8
+    beh = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    prox = beh + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.6  # stale samples: w spread over e^+-1
+    lp = (prox + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5).requires_grad_(True)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    cfg = LossConfig(trust_region=trust_region, is_correction=is_correction, m2_threshold=0.1)
+    loss, metrics = policy_loss(lp, prox, beh, adv, mask, cfg)
+    grad = grad_of(loss, lp)
+    n = int(mask.sum())
+    log_w = (prox - beh)[mask]
+    cutoff = m2po_cutoff(log_w, 0.1)
+    eps = 1e-6
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                assert grad[b, t] == 0
+                continue
+            args = (float(prox[b, t]), float(beh[b, t]), float(adv[b]), cfg, cutoff)
+            x = float(lp.detach()[b, t])
+            if trust_region == "none":  # r = exp(lp - sg(lp)): d/dlp of -c * A * r is -c * A
+                expected = reference_token_loss(x, *args) / n
+            else:  # central difference of the float64 reference
+                expected = (reference_token_loss(x + eps, *args) - reference_token_loss(x - eps, *args)) / (2 * eps * n)
+            assert grad[b, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-8), (b, t)
+    value = sum(reference_token_loss(float(lp.detach()[b, t]), float(prox[b, t]), float(beh[b, t]), float(adv[b]), cfg,
+                                     cutoff) for b in range(B) for t in range(T) if mask[b, t]) / n
+    assert loss.item() == pytest.approx(value, rel=1e-9)
+    if trust_region != "none":
+        assert metrics["policy/clip_frac"] > 0.05  # the clip acts on a moved policy
+        assert (grad[mask] == 0).sum() >= metrics["policy/clip_frac"] * n - 1e-9  # and its tokens have no gradient
+    else:
+        assert metrics["policy/clip_frac"] == 0.0
+
+
+def test_behaviour_trust_region_acts_where_the_proximal_one_with_one_update_cannot():
+    """4dcea02 passed the current log-probs as the proximal policy: ratio 1, clip_frac 0 on every step. Against the
+    behaviour policy the same stale batch is clipped, and the clipped tokens get exactly no gradient."""
+    lp = torch.log(torch.tensor([[0.5, 0.9, 0.6, 0.2]], dtype=torch.float64)).requires_grad_(True)
+    beh = torch.log(torch.tensor([[0.25, 0.8, 0.6, 0.5]], dtype=torch.float64))  # r = 2, 1.125, 1, 0.4
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    old, old_metrics = policy_loss(lp, lp.detach(), beh, adv, mask,
+                                   LossConfig(trust_region="proximal", is_correction="tis"))
+    assert old_metrics["policy/clip_frac"] == 0.0  # the objective of 4dcea02 never clips
+    assert torch.all(grad_of(old, lp) != 0)
+    new, metrics = policy_loss(lp, lp.detach(), beh, adv, mask, LossConfig(trust_region="behaviour"))
+    g = grad_of(new, lp)[0]
+    r = torch.tensor([2.0, 1.125, 1.0, 0.4], dtype=torch.float64)
+    # A > 0: r = 2 is over 1.28 (no gradient); 0.4 is under 0.8 but the min keeps r * A (its gradient r * A)
+    torch.testing.assert_close(g, torch.where(r > 1.28, 0.0, -r / 4), rtol=1e-9, atol=0)
+    assert metrics["policy/clip_frac"] == 0.25 and metrics["policy/clip_frac_high"] == 0.25
+
+
+def test_dual_clip_bounds_a_negative_advantage_token_with_a_large_ratio():
+    lp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    beh = -torch.log(torch.tensor([[2.0, 3.5, 10.0]], dtype=torch.float64))  # r = 2, 3.5, 10
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    loss, metrics = policy_loss(lp, lp.detach(), beh, adv, mask, LossConfig(clip_ratio_c=3.0))
+    # r = 2: the pessimistic PPO term r * A, gradient r / 3; r = 3.5 and 10: at most c * |A|, no gradient
+    torch.testing.assert_close(grad_of(loss, lp)[0], torch.tensor([2 / 3, 0.0, 0.0], dtype=torch.float64))
+    assert loss.item() == pytest.approx((2 + 3 + 3) / 3)
+    assert metrics["policy/dual_clip_frac"] == pytest.approx(2 / 3)
+    off, _ = policy_loss(lp, lp.detach(), beh, adv, mask, LossConfig(clip_ratio_c=0.0))
+    assert off.item() == pytest.approx((2 + 3.5 + 10) / 3)
+
+
+def test_behaviour_mask_drops_tokens_outside_the_band_and_keeps_the_ratio_elsewhere():
+    lp = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
+    prox = torch.zeros(1, 4, dtype=torch.float64)
+    beh = -torch.log(torch.tensor([[0.25, 0.9, 1.2, 3.0]], dtype=torch.float64))  # w = r = 0.25, 0.9, 1.2, 3
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, metrics = policy_loss(lp, prox, beh, torch.tensor([1.0], dtype=torch.float64), mask,
+                                LossConfig(is_correction="mask", is_mask_low=0.5, is_cap=2.0))
+    torch.testing.assert_close(grad_of(loss, lp)[0], torch.tensor([0.0, -0.9 / 4, -1.2 / 4, 0.0],
+                                                                   dtype=torch.float64))
+    assert metrics["is/masked_frac"] == 0.5
+
+
+def test_m2po_cutoff_drops_the_largest_second_moments_until_the_mean_is_under_the_bound():
+    log_w = torch.tensor([0.1, -0.1, 0.2, 0.5, -1.0], dtype=torch.float64)  # m2 = .01 .01 .04 .25 1
+    assert m2po_cutoff(log_w, 1.0) == math.inf  # mean 0.262 <= 1: every token kept
+    assert m2po_cutoff(log_w, 0.1) == pytest.approx(0.25)  # without 1.0: mean 0.0775
+    assert m2po_cutoff(log_w, 0.05) == pytest.approx(0.04)  # without 0.25 too: mean 0.02
+    assert m2po_cutoff(log_w, 0.001) == -1.0  # even the smallest is over: none kept
+    assert m2po_cutoff(torch.zeros(0), 0.04) == math.inf
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # against greedy removal of the largest, one at a time
+        values = torch.randn(int(torch.randint(1, 40, (1,), generator=g)), generator=g, dtype=torch.float64)
+        tau = float(torch.rand(1, generator=g)) * 0.8
+        kept = sorted(values.square().tolist())
+        while kept and sum(kept) / len(kept) > tau:
+            kept.pop()
+        cutoff = m2po_cutoff(values, tau)
+        assert sorted(v for v in values.square().tolist() if v <= cutoff) == kept
+
+
+def test_m2po_in_the_loss_uses_the_steps_cutoff_when_given():
+    lp = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
+    beh = -torch.tensor([[0.1, -0.2, 0.3, 1.5]], dtype=torch.float64)  # log w = prox - beh = 0.1 -0.2 0.3 1.5
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    cfg = LossConfig(trust_region="proximal", is_correction="m2po", m2_threshold=0.1)
+    loss, metrics = policy_loss(lp, lp.detach(), beh, adv, mask, cfg)  # its own cutoff: 1.5 dropped
+    w = torch.exp(torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64)) * torch.tensor([1, 1, 1, 0.0])
+    torch.testing.assert_close(grad_of(loss, lp)[0], -w / 4)
+    assert metrics["is/masked_frac"] == 0.25
+    loss, metrics = policy_loss(lp, lp.detach(), beh, adv, mask, cfg, m2_cutoff=0.05)  # the step's: 0.3 too
+    assert metrics["is/masked_frac"] == 0.5
+
+
+def test_ess_by_hand_and_from_sums():
+    lp, prox, beh, mask = _off_policy([0.5, 1.0, 4.0])
+    _, metrics = policy_loss(lp, prox, beh, torch.tensor([1.0], dtype=torch.float64), mask, LossConfig())
+    assert metrics["is/ess"] == pytest.approx(5.5 ** 2 / (3 * 17.25))
+    assert metrics["is/w_sum"] == pytest.approx(5.5) and metrics["is/w_sq_sum"] == pytest.approx(17.25)
+    assert effective_sample_size(5.5, 17.25, 3) == pytest.approx(metrics["is/ess"])
+    assert effective_sample_size(0.0, 0.0, 0) == 1.0
+
+
+@pytest.mark.parametrize("field,value", [("clip_ratio_c", 1.0), ("m2_threshold", 0.0), ("trust_region", "ppo")])
+def test_new_fields_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        LossConfig(**{field: value}).validate()
+
+
+def test_tis_with_the_behaviour_trust_region_is_refused():
+    with pytest.raises(ValueError, match="is_correction.*'tis'"):
+        LossConfig(trust_region="behaviour", is_correction="tis").validate()

@@ -342,6 +342,12 @@ def test_progress_line_content() -> None:
         "step 12/50 | reward 0.41 | 38.2 samples/s | staleness 0.8 | queue 5 | workers 2/2 | 0:01:13"
     )
     assert format_line(1, 50, {}, 0) == "step 1/50 | 0:00:00"
+    health = {"reward/mean": 0.41, "policy/entropy": 0.617, "is/ess": 0.9712, "policy/clip_frac": 0.031,
+              "staleness/mean": 2.0}
+    assert format_line(12, 50, health, 73) == (
+        "step 12/50 | reward 0.41 | entropy 0.62 | ess 0.97 | clip 0.03 | staleness 2.0 | 0:01:13")
+    # on a narrow terminal the queue-like fields go first, then clip, ess and entropy, before reward and time
+    assert format_line(12, 50, health, 73, width=61) == "step 12/50 | reward 0.41 | entropy 0.62 | ess 0.97 | 0:01:13"
     phases = {"time/step_s": 0.08, "time/train_wait_s": 0.05, "time/idle_s": 0.02, "time/controller_s": 0.01,
               "time/publish_s": 0.001}  # under 5%: left out
     assert format_line(2, 9, phases, 5) == "step 2/9 | 0.08s: train 62% rollout 25% ctl 12% | 0:00:05"

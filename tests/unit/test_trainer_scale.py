@@ -115,7 +115,8 @@ def _changed_frac(before: dict, after: dict, name: str) -> float:
 
 def test_fp32_master_weights_move_at_lr_1e6_under_bf16_compute():
     optim = OptimConfig(lr=1e-6, grad_clip=0.0)
-    mixed = trainer(optim=optim, compute_dtype=torch.bfloat16)
+    unclipped = LossConfig(trust_region="none")  # every token has a gradient: the random behaviour log-probs
+    mixed = trainer(optim=optim, loss=unclipped, compute_dtype=torch.bfloat16)  # would clip some experts' all away
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
     before = {n: p.detach().clone() for n, p in mixed.model.named_parameters()}
     metrics = mixed.rl_step(samples(10))
@@ -132,7 +133,7 @@ def test_fp32_master_weights_move_at_lr_1e6_under_bf16_compute():
                for k, v in published.items() if v.is_floating_point())
 
     # the failure this fixes: AdamW directly on bf16 weights rounds a 1e-6 update away almost everywhere
-    pure = trainer(optim=optim, dtype=torch.bfloat16)
+    pure = trainer(optim=optim, loss=unclipped, dtype=torch.bfloat16)
     before = {n: p.detach().clone() for n, p in pure.model.named_parameters()}
     pure.rl_step(samples(10))
     after = dict(pure.model.named_parameters())
@@ -181,3 +182,62 @@ def test_token_ids_outside_the_vocabulary_are_named_before_any_work():
         t.rl_step(batch)
     assert t.steps_done == 0
     assert all(torch.equal(p, before[n]) for n, p in t.model.named_parameters())
+
+
+# ------------------------------------------------------------------------------ trust regions (issue 35)
+def on_policy(t: PolicyTrainer, batch: list[Sample]) -> list[Sample]:
+    """The batch with behaviour log-probs = the trainer's own now: a fresh rollout of these weights."""
+    return [dataclasses.replace(s, behaviour_logprobs=lp.tolist()) for s, lp in zip(batch, t.token_logprobs(batch))]
+
+
+def test_several_updates_per_step_make_the_proximal_clip_act(monkeypatch):
+    """At 4dcea02 the proximal log-probs were the current ones: ratio 1, clip_frac 0 on every step. With two updates
+    the first sees ratio 1 against the step-start policy, the second a moved policy, and the clip acts on it."""
+    from moerl.train import trainer as trainer_module
+
+    seen: list[list[dict]] = []
+    original = trainer_module.merge_updates
+    monkeypatch.setattr(trainer_module, "merge_updates", lambda updates: seen.append(updates) or original(updates))
+    loss = LossConfig(trust_region="proximal", is_correction="tis")
+    t = trainer(optim=OptimConfig(lr=1e-1, grad_clip=0.0), loss=loss, minibatches=2)
+    batch = on_policy(t, samples(12))
+    metrics = t.rl_step(batch)
+    first, second = seen[0]
+    assert first["policy/ratio_max"] == pytest.approx(1.0, abs=1e-5) and first["policy/clip_frac"] == 0.0
+    assert second["policy/clip_frac"] > 0 and second["policy/ratio_max"] > 1.28
+    assert metrics["optim/updates"] == 2.0 and t.steps_done == 2
+    assert metrics["policy/clip_frac"] > 0 and metrics["time/proximal_s"] >= 0
+    assert metrics["tokens"] == first["tokens"] + second["tokens"] == sum(len(s.completion_ids) for s in batch)
+    old = trainer(optim=OptimConfig(lr=1e-1, grad_clip=0.0), loss=LossConfig(trust_region="none"))
+    assert old.rl_step(batch)["policy/clip_frac"] == 0.0  # 4dcea02's objective: nothing to clip against
+
+
+def test_one_update_with_the_proximal_trust_region_is_refused():
+    with pytest.raises(ValueError, match="train.minibatches >= 2"):
+        trainer(loss=LossConfig(trust_region="proximal"))
+
+
+def test_ess_scaling_shrinks_the_step_by_sqrt_ess():
+    """VCPO's rule: the update of a batch whose weights concentrate moves the weights sqrt(ESS) as far (AdamW's
+    first step is lr x sign-like, so the step's size is proportional to the learning rate)."""
+    batch = samples(10)  # random behaviour log-probs: w spread, ESS < 1
+    moves = {}
+    for scaling in (False, True):
+        t = trainer(optim=OptimConfig(lr=1e-3, grad_clip=0.0), loss=LossConfig(ess_lr_scaling=scaling))
+        before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        metrics = t.rl_step(batch)
+        moves[scaling] = sum(float((p.detach() - before[n]).abs().sum()) for n, p in t.model.named_parameters())
+        ess = metrics["is/ess"]
+    assert 0 < ess < 0.9 and metrics["optim/lr_scale"] == pytest.approx(ess ** 0.5)
+    assert moves[True] / moves[False] == pytest.approx(ess ** 0.5, rel=1e-3)
+
+
+def test_split_contiguous_keeps_order_and_balances_tokens():
+    from moerl.train.batching import split_contiguous
+
+    batch = samples(10)
+    runs = split_contiguous(batch, 3)
+    assert [s for run in runs for s in run] == batch and len(runs) == 3
+    tokens = [sum(positions(s) for s in run) for run in runs]
+    assert max(tokens) - min(tokens) <= 2 * max(positions(s) for s in batch)
+    assert split_contiguous(batch[:2], 4)[2:] == [[], []] and split_contiguous(batch, 1) == [batch]
