@@ -1,40 +1,77 @@
-"""`moerl bench learn`: does RL raise held-out accuracy, and how much sooner does async mode get there than sync?
+"""`moerl bench learn`: does RL raise accuracy on problems it never trained on, over several seeds, and how much
+sooner does asynchronous RL get there than synchronous?
 
-    moerl bench learn                       # GPU: the 1.65B MoE (bf16) from a random init; CPU: the demo's model
-    moerl bench learn --rl-seconds 200 --levels 0.1,0.2,0.3 --out runs/learn
+    moerl bench learn                                   # GPU: the 1.65B MoE (bf16); CPU: the demo model
+    moerl bench learn --shape cpu --arms sync,async --seeds 0,1,2 --rl-seconds 60
+    moerl bench learn --shape cpu --arms stale4/legacy,stale4 --rl-steps 300 --set train.optim.lr=1e-3
+    moerl bench learn --report runs/learn               # the table and plot of runs already made
 
-1. Warm start, once, shared by both modes: supervised steps on the task's reference answers in chunks of
-   --warm-chunk, until greedy accuracy on the held-out prompts first reaches --warm-target (so the task is still
-   hard and RL has to raise it). The float32 weights become the checkpoint (model.path) both runs start from.
-2. RL: one `moerl train` per mode on a local Ray, same config and seed, ending after --rl-seconds of RL
-   (train.time_limit_s), evaluated greedily on the task's held-out split every --eval-every steps and before the
-   first step (evals hold the rollout worker in both modes alike).
-3. The table: accuracy before RL and at the end; the RL wall time to reach the warm start's accuracy + each level
-   (the first eval at or over it, timed at the end of the step whose weights it evaluated), async against sync;
-   samples/s; behaviour KL. learn.png plots accuracy against RL wall time for both modes.
+The task: two-digit sums (0..99 + 0..99), a fifth of the problems held out by a hash of their text
+(moerl/tasks/arithmetic.py): the random-init model must learn to add, with carries, to score on them.
 
-The demo task (single-digit sums) has 100 problems: its held-out stream is seeded apart from the training
-stream but draws from the same problems.
+Arms, `schedule[/objective]`:
+  schedules   sync; async (train.max_staleness of the shape: GPU 2, CPU 1); asyncK (max_staleness K);
+              staleK (train.forced_staleness K: every batch exactly K versions behind, in lock-step, whatever the
+              timing: staleness robustness measured without depending on the machine's pace)
+  objectives  default (the shipped loss); legacy (4dcea02's: no clip, TIS against the current policy);
+              behaviour (clip against the rollout's log-probs); proximal (AReaL's decoupled PPO, 4 updates per step);
+              m2po (behaviour + M2PO's mask); ess (behaviour + VCPO's ESS-scaled step)
+
+1. Per seed, one warm start shared by that seed's arms: supervised steps on the training problems, in chunks of
+   --warm-chunk, until greedy accuracy on the held-out problems first reaches --warm-target. Deterministic in the
+   seed (a GPU call regenerates it), its accuracy printed.
+2. Per seed and arm, one `moerl train` from it on a local Ray, ending after --rl-seconds of RL or --rl-steps steps,
+   evaluated greedily on every held-out problem every --eval-every steps and before the first step.
+3. The table (moerl/bench/learn_report.py): per arm, median [min, max] over seeds of the held-out accuracy before and
+   after, train reward, time to sync's final accuracy and to fixed gains, throughput and health; learn.png the
+   curves with their spread. A run already in --out (its run.json) is read, not run again (--rerun to redo).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
+import re
 import tempfile
 import time
 from pathlib import Path
 
-from moerl.bench.common import Row, format_table
-from moerl.runlog.run_log import read_jsonl
+from moerl.bench.learn_report import plot, read_run, summarize, table
 
+TASK = ['--task.options={max_operand = 99, ops = "+", held_out = 0.2}', "--eval.samples=0"]
 GPU_SHAPE = ["--run.device=cuda", "--model.dtype=bfloat16", "--model.preset=medium", "--rollout.num_workers=1",
              "--rollout.gpus_per_worker=0.45", "--train.gpus_per_rank=0.45", "--ray.num_cpus=8",
              "--train.batch_groups=16", "--rollout.group_size=8", "--train.max_staleness=2",
              "--rollout.max_inflight_groups=32", "--train.sft_lr=1e-4", "--train.sft_batch=64",
-             "--train.optim.lr=3e-5", "--eval.samples=256", "--rollout.heartbeat_s=5"]
-CPU_SHAPE = ["--ray.num_cpus=2", "--eval.samples=200"]
+             "--train.optim.lr=3e-5", "--rollout.heartbeat_s=5"]
+CPU_SHAPE = ["--ray.num_cpus=2", "--train.optim.lr=1e-4"]
+OBJECTIVES = {
+    "default": [],
+    "legacy": ["--train.loss.trust_region=none", "--train.loss.is_correction=tis"],
+    "behaviour": ["--train.loss.trust_region=behaviour", "--train.loss.is_correction=none"],
+    "proximal": ["--train.loss.trust_region=proximal", "--train.minibatches=4", "--train.loss.is_correction=tis"],
+    "m2po": ["--train.loss.trust_region=behaviour", "--train.loss.is_correction=m2po"],
+    "ess": ["--train.loss.trust_region=behaviour", "--train.loss.is_correction=none", "--train.loss.ess_lr_scaling=true"],
+}
+
+
+def arm_overrides(arm: str) -> list[str]:
+    """The overrides of `schedule[/objective]` (module doc); ValueError naming the arm when it is not one."""
+    schedule, _, objective = arm.partition("/")
+    if (objective or "default") not in OBJECTIVES:
+        raise ValueError(f"--arms: {arm!r} has objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+    if schedule == "sync":
+        sched = ["--train.mode=sync"]
+    elif schedule == "async":
+        sched = ["--train.mode=async"]
+    elif m := re.fullmatch(r"async(\d+)", schedule):
+        sched = ["--train.mode=async", f"--train.max_staleness={m[1]}"]
+    elif m := re.fullmatch(r"stale(\d+)", schedule):
+        sched = ["--train.mode=async", f"--train.max_staleness={m[1]}", f"--train.forced_staleness={m[1]}"]
+    else:
+        raise ValueError(f"--arms: {arm!r} has schedule {schedule!r}; known: sync, async, asyncK, staleK (K >= 1)")
+    return sched + OBJECTIVES[objective or "default"]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -42,38 +79,53 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/demo.toml")
     p.add_argument("--shape", default="auto", choices=["auto", "cpu", "gpu"])
-    p.add_argument("--rl-seconds", type=float, default=None, help="RL wall time per mode (GPU 200, CPU 90)")
-    p.add_argument("--levels", default="0.1,0.2,0.3", help="accuracy gains over the warm start to time")
-    p.add_argument("--warm-target", type=float, default=0.1, help="warm start until held-out accuracy >= this")
-    p.add_argument("--warm-chunk", type=int, default=None, help="supervised steps between two evals (GPU 3, CPU 5)")
-    p.add_argument("--warm-max-steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=None, help="RL steps between evals (GPU 30, CPU 25)")
-    p.add_argument("--modes", default="async,sync")
-    p.add_argument("--out", default="", help="keep the warm start, the runs and learn.png here")
+    p.add_argument("--arms", default="sync,async", help="comma-separated schedule[/objective] (see above)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds")
+    p.add_argument("--rl-seconds", type=float, default=None, help="RL wall time per run (GPU 360, CPU 60)")
+    p.add_argument("--rl-steps", type=int, default=1_000_000, help="RL steps per run at most")
+    p.add_argument("--levels", default="0.1,0.2", help="accuracy gains over the warm start to time")
+    p.add_argument("--warm-target", type=float, default=0.3, help="warm start until held-out accuracy >= this")
+    p.add_argument("--warm-chunk", type=int, default=None, help="supervised steps between two evals (GPU 10, CPU 50)")
+    p.add_argument("--warm-max-steps", type=int, default=3000)
+    p.add_argument("--eval-every", type=int, default=None, help="RL steps between evals (GPU 20, CPU 50)")
+    p.add_argument("--out", default="", help="the warm starts, the runs, learn.json and learn.png go here")
+    p.add_argument("--rerun", action="store_true", help="run again the runs already in --out")
+    p.add_argument("--report", default="", metavar="DIR", help="no runs: the table and plot of the runs under DIR")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for the warm start and every run, e.g. --set train.optim.lr=1e-5")
-    return p.parse_args(argv)
+                   help="a config override for the warm starts and every run, e.g. --set train.optim.lr=1e-5")
+    args = p.parse_args(argv)
+    try:
+        args.arm_list = [a.strip() for a in args.arms.split(",") if a.strip()]
+        for arm in args.arm_list:
+            arm_overrides(arm)
+        args.seed_list = [int(s) for s in args.seeds.split(",")]
+        args.level_list = [float(x) for x in args.levels.split(",")]
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def _shape(args: argparse.Namespace, gpu: bool) -> list[str]:
-    return (GPU_SHAPE if gpu else CPU_SHAPE) + [f"--{kv.removeprefix('--')}" for kv in args.set]
+    return TASK + (GPU_SHAPE if gpu else CPU_SHAPE) + [f"--{kv.removeprefix('--')}" for kv in args.set]
+
+
+def _arm_dir(arm: str) -> str:
+    return arm.replace("/", "-")
 
 
 def held_out_accuracy(engine, eval_set, prompts: int, sampling) -> float:
     """Greedy accuracy on the first `prompts` of the held-out split (what the run's eval scores)."""
-    import dataclasses
-
     batch = [eval_set.prompt(i) for i in range(prompts)]
     done = engine.generate([p.prompt_token_ids for p in batch], dataclasses.replace(sampling, temperature=0.0))
     return sum(eval_set.task.reward(p, list(c.token_ids)) for p, c in zip(batch, done)) / len(batch)
 
 
-def warm_start(args: argparse.Namespace, gpu: bool, out: Path) -> dict:
+def warm_start(args: argparse.Namespace, gpu: bool, out: Path, seed: int = 0) -> dict:
     """Supervised chunks until held-out accuracy reaches the target; the weights saved under `out`."""
     import torch
 
     from moerl.config import load_config
-    from moerl.loop.evaluation import open_eval_set
+    from moerl.loop.evaluation import eval_prompt_count, open_eval_set
     from moerl.model import build_model, save_pretrained
     from moerl.rollout import Engine
     from moerl.run import _specs, model_architecture, sft_samples
@@ -81,7 +133,8 @@ def warm_start(args: argparse.Namespace, gpu: bool, out: Path) -> dict:
     from moerl.train.config import LossConfig, OptimConfig
     from moerl.train.trainer import PolicyTrainer
 
-    cfg = load_config(args.config, _shape(args, gpu) + [f"--run.dir={out / 'unused'}"])
+    cfg = load_config(args.config, _shape(args, gpu) + [f"--run.dir={out / 'unused'}", f"--run.seed={seed}"])
+    torch.manual_seed(seed)
     task = load_task(cfg.task.name, dict(cfg.task.options), seed=cfg.run.seed)
     arch = model_architecture(cfg, task)
     spec, _ = _specs(cfg, arch, task)
@@ -91,147 +144,105 @@ def warm_start(args: argparse.Namespace, gpu: bool, out: Path) -> dict:
                             micro_batch_tokens=cfg.train.micro_batch_tokens)
     engine = Engine(build_model(arch, dtype=dtype, device=device, init=False), spec.engine)
     eval_set = open_eval_set(task, cfg.task.name, dict(cfg.task.options), cfg.eval.path, cfg.run.seed)
-    n = min(cfg.eval.samples, eval_set.size or cfg.eval.samples)
+    n = eval_prompt_count(eval_set.size, cfg.eval.samples)
     history, step, t0 = [], 0, time.perf_counter()
     while True:
         engine.update_weights(trainer.model.state_dict(), version=step)
         acc = held_out_accuracy(engine, eval_set, n, spec.sampling)
         history.append((step, acc))
-        print(f"warm start: step {step}, held-out accuracy {acc:.3f}", flush=True)
+        print(f"warm start (seed {seed}): step {step}, held-out accuracy {acc:.3f}", flush=True)
         if acc >= args.warm_target or step >= args.warm_max_steps:
             break
         for _ in range(args.warm_chunk):
             trainer.sft_step(sft_samples(task, step, cfg.train.sft_batch))
             step += 1
-    path = out / "warm-start"
-    save_pretrained(trainer.model, path)
+    save_pretrained(trainer.model, out)
     seconds = time.perf_counter() - t0
     del trainer, engine
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the runs' Ray actors share this GPU
-    return {"path": path, "steps": step, "accuracy": acc, "seconds": seconds, "history": history}
+    return {"path": str(out), "steps": step, "accuracy": acc, "seconds": seconds, "history": history}
 
 
-def run_mode(args: argparse.Namespace, gpu: bool, mode: str, warm: Path, run_dir: Path) -> dict:
+def run_arm(args: argparse.Namespace, gpu: bool, arm: str, seed: int, warm: Path, run_dir: Path) -> dict:
     from moerl.config import load_config
     from moerl.run import train
 
-    overrides = _shape(args, gpu) + [
-        f"--model.path={warm}", "--train.sft_steps=0", f"--train.mode={mode}", "--train.steps=1000000",
+    overrides = _shape(args, gpu) + arm_overrides(arm) + [
+        f"--model.path={warm}", "--train.sft_steps=0", f"--train.steps={args.rl_steps}", f"--run.seed={seed}",
         f"--train.time_limit_s={args.rl_seconds}", f"--eval.every={args.eval_every}", "--eval.before_train=true",
-        f"--run.dir={run_dir}", f"--run.name=learn-{mode}"]
+        f"--run.dir={run_dir}", f"--run.name=learn-{_arm_dir(arm)}-{seed}"]
     train(load_config(args.config, overrides))
-    return read_run(run_dir)
+    run = read_run(run_dir)
+    (run_dir / "run.json").write_text(json.dumps({"arm": arm, "seed": seed, "overrides": overrides, "run": run}))
+    return run
 
 
-def read_run(run_dir: Path) -> dict:
-    """The accuracy curve against RL wall time, and the run's rates, from its metrics.jsonl."""
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]
-    evals = [r for r in rows if "eval/reward" in r]
-    # RL starts when the first step starts; an eval at step s scores the weights that existed when s ended
-    t0 = steps[0]["time"] - steps[0]["time/step_s"] if steps else 0.0
-    ended = {r["step"]: r["time"] - t0 for r in steps}
-    curve = [(0.0 if e["step"] == 0 else ended.get(e["step"], math.nan), e["eval/reward"]) for e in evals]
-    curve = sorted((t, acc) for t, acc in curve if not math.isnan(t))
-    wall = steps[-1]["time"] - t0 if steps else 0.0
-    samples = sum(r.get("samples", 0) for r in steps)
-    kl = sorted(r.get("is/behaviour_kl", 0.0) for r in steps) or [0.0]
-    mean = lambda rows, key: sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)  # noqa: E731
-    # Entropy and the share of groups whose rewards are all equal (no gradient) tell a collapsed policy apart
-    return {"curve": curve, "steps": len(steps), "wall_s": wall, "samples_per_s": samples / max(wall, 1e-9),
-            "kl_median": kl[len(kl) // 2], "kl_max": kl[-1],
-            "entropy_first": mean(steps[:10], "policy/entropy"), "entropy_last": mean(steps[-10:], "policy/entropy"),
-            "all_equal_last": mean(steps[-10:], "reward/all_equal_frac")}
+def collect(out: Path) -> tuple[dict[str, list[dict]], dict[int, float]]:
+    """Every finished run under `out` (seed*/ARM/run.json), by arm, and every seed's warm-start accuracy."""
+    runs: dict[str, list[dict]] = {}
+    for path in sorted(out.glob("seed*/*/run.json")):
+        d = json.loads(path.read_text())
+        runs.setdefault(d["arm"], []).append(d["run"])
+    warm = {}
+    for path in sorted(out.glob("seed*/warm.json")):
+        d = json.loads(path.read_text())
+        warm[d["seed"]] = d["accuracy"]
+    return runs, warm
 
 
-def time_to(curve: list[tuple[float, float]], accuracy: float) -> float | None:
-    """RL wall time of the first eval at or over `accuracy` (None: never within the run)."""
-    return next((t for t, acc in curve if acc >= accuracy - 1e-9), None)
-
-
-def plot(runs: dict[str, dict], warm_accuracy: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, r in runs.items():
-        ts, accs = zip(*r["curve"]) if r["curve"] else ((), ())
-        ax.plot(ts, accs, marker="o", ms=3, label=f"{mode} ({r['samples_per_s']:.0f} samples/s)")
-    ax.axhline(warm_accuracy, color="grey", ls=":", lw=1, label="warm start")
-    ax.set_xlabel("RL wall time (s)")
-    ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title("moerl bench learn: accuracy against wall time")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def report(out: Path, levels: list[float], title: str = "") -> str:
+    runs, warm = collect(out)
+    if not runs:
+        raise SystemExit(f"bench learn: no finished runs under {out} (seed*/ARM/run.json)")
+    stats = summarize(runs, levels)
+    (out / "learn.json").write_text(json.dumps({"stats": stats, "warm": warm, "levels": levels}, indent=1))
+    plot(runs, out / "learn.png", title)
+    return table(stats, levels, warm)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(argv or []))
+    if args.report:
+        print(report(Path(args.report), args.level_list))
+        print(f"plot: {Path(args.report) / 'learn.png'}")
+        return 0
     import torch
 
     gpu = args.shape == "gpu" or (args.shape == "auto" and torch.cuda.is_available())
-    args.rl_seconds = args.rl_seconds or (200.0 if gpu else 90.0)
-    args.eval_every = args.eval_every or (30 if gpu else 25)
-    args.warm_chunk = args.warm_chunk or (3 if gpu else 5)
-    levels = [float(x) for x in args.levels.split(",")]
+    args.rl_seconds = args.rl_seconds if args.rl_seconds is not None else (360.0 if gpu else 60.0)
+    args.eval_every = args.eval_every or (20 if gpu else 50)
+    args.warm_chunk = args.warm_chunk or (10 if gpu else 50)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="moerl-bench-learn-"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"bench learn: {'GPU 1.65B bf16' if gpu else 'CPU demo'} shape, {args.config}; {args.rl_seconds:.0f} s of "
-          f"RL per mode; outputs in {out}", flush=True)
-    warm = warm_start(args, gpu, out)
-    print(f"warm start: {warm['steps']} supervised steps in {warm['seconds']:.0f} s, held-out accuracy "
-          f"{warm['accuracy']:.3f}", flush=True)
-    runs = {}
-    for mode in args.modes.split(","):
-        runs[mode] = run_mode(args, gpu, mode, warm["path"], out / mode)
-        r = runs[mode]
-        print(f"{mode}: {r['steps']} steps in {r['wall_s']:.0f} s, {r['samples_per_s']:.1f} samples/s, accuracy "
-              + " ".join(f"{acc:.2f}@{t:.0f}s" for t, acc in r["curve"]), flush=True)
-    (out / "learn.json").write_text(json.dumps({"warm": {k: v for k, v in warm.items() if k != "path"},
-                                                "runs": runs, "levels": levels}, indent=1))
-    plot(runs, warm["accuracy"], out / "learn.png")
-    print(table(runs, warm["accuracy"], levels))
+    total = len(args.seed_list) * len(args.arm_list)
+    print(f"bench learn: {'GPU 1.65B bf16' if gpu else 'CPU demo'} shape, {args.config}; arms {', '.join(args.arm_list)}"
+          f"; seeds {args.seeds}; {args.rl_seconds:.0f} s (or {args.rl_steps} steps) of RL per run, {total} runs; "
+          f"outputs in {out}", flush=True)
+    done = 0
+    for seed in args.seed_list:
+        seed_dir = out / f"seed{seed}"
+        todo = [a for a in args.arm_list if args.rerun or not (seed_dir / _arm_dir(a) / "run.json").exists()]
+        if not todo:
+            done += len(args.arm_list)
+            continue
+        warm = warm_start(args, gpu, seed_dir / "warm-start", seed)
+        (seed_dir / "warm.json").write_text(json.dumps({"seed": seed, **{k: v for k, v in warm.items()}}))
+        print(f"warm start (seed {seed}): {warm['steps']} supervised steps in {warm['seconds']:.0f} s, held-out "
+              f"accuracy {warm['accuracy']:.3f}", flush=True)
+        for arm in args.arm_list:
+            done += 1
+            if arm not in todo:
+                continue
+            run_dir = seed_dir / _arm_dir(arm)
+            if run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)  # `moerl train` never overwrites a run
+            r = run_arm(args, gpu, arm, seed, Path(warm["path"]), run_dir)
+            print(f"[{done}/{total}] {arm} seed {seed}: {r['steps']} steps in {r['wall_s']:.0f} s, "
+                  f"{r['samples_per_s']:.1f} samples/s, held-out accuracy "
+                  + " ".join(f"{acc:.2f}@{t:.0f}s" for t, _, acc in r["curve"]), flush=True)
+    print(report(out, args.level_list))
     print(f"plot: {out / 'learn.png'}")
     return 0
-
-
-def table(runs: dict[str, dict], warm_accuracy: float, levels: list[float]) -> str:
-    from moerl.bench.loop import kl_verdict
-
-    a, s = runs.get("async"), runs.get("sync")
-    if a is None or s is None:
-        return "\n".join(f"{m}: {r['curve']}" for m, r in runs.items())
-    start = lambda r: r["curve"][0][1] if r["curve"] else math.nan  # noqa: E731 - the step-0 eval
-    end = lambda r: r["curve"][-1][1] if r["curve"] else math.nan  # noqa: E731
-    rows = [Row("held-out accuracy before RL (step-0 eval)", start(a), start(s), ""),
-            Row("held-out accuracy at the end", end(a), end(s), ""),
-            Row("accuracy gain over the warm start, at the end", end(a) - start(a), end(s) - start(s), "")]
-    notes = []
-    for level in levels:
-        ta, ts = time_to(a["curve"], start(a) + level), time_to(s["curve"], start(s) + level)
-        rows.append(Row(f"RL time to warm start + {level:g}", ta if ta is not None else math.inf,
-                        ts if ts is not None else math.inf, "s", higher_is_better=False))
-        if ta is None or ts is None:
-            notes.append(f"not reached within the run: +{level:g}: " + ", ".join(
-                f"{m} not reached" for m, t in (("async", ta), ("sync", ts)) if t is None))
-    rows += [Row("throughput", a["samples_per_s"], s["samples_per_s"], "samples/s"),
-             Row("behaviour KL per token, median step", a["kl_median"], s["kl_median"], "nats", higher_is_better=False),
-             Row("behaviour KL per token, worst step", a["kl_max"], s["kl_max"], "nats", higher_is_better=False),
-             Row("policy entropy, first 10 steps", a["entropy_first"], s["entropy_first"], "nats"),
-             Row("policy entropy, last 10 steps", a["entropy_last"], s["entropy_last"], "nats"),
-             Row("groups with all rewards equal, last 10 steps", a["all_equal_last"], s["all_equal_last"], "",
-                 higher_is_better=False)]
-    for mode, r in (("async", a), ("sync", s)):
-        if r["all_equal_last"] >= 0.99 and r["entropy_last"] < 0.05:
-            notes.append(f"{mode} collapsed: entropy {r['entropy_last']:.3g} and every group's rewards equal (no "
-                         "gradient); lower train.optim.lr (or train.max_staleness)")
-    text = format_table(f"\nlearning (peer column: sync mode; warm start {warm_accuracy:.3f} in-process)", rows,
-                        peer_name="sync")
-    return "\n".join([text, *notes,
-                      kl_verdict({"async": a["kl_max"], "sync": s["kl_max"]})])

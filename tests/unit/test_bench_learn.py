@@ -1,42 +1,104 @@
-"""`moerl bench learn`'s reading of a run (moerl/bench/learn.py): the accuracy curve against RL wall time (an eval
-at step s counts when step s ended), time to each level, and the verdict lines of its table."""
+"""`moerl bench learn`'s arithmetic (moerl/bench/learn.py, learn_report.py) on runs with known answers: the curves
+timed by the step whose weights were evaluated, each arm's statistics over seeds, the time to sync's final accuracy
+and its speed-up, collapse, the arms' overrides, and the report written from the runs in a directory."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from moerl.bench.learn import read_run, table, time_to
+import pytest
+
+from moerl.bench.learn import _parse, arm_overrides, collect, report
+from moerl.bench.learn_report import _band, collapsed, read_run, summarize, table, time_to
 
 
-def _write_run(path: Path, accuracies: dict[int, float], entropy: float, all_equal: float) -> Path:
+def _write_run(path: Path, accuracies: dict[int, float], entropy: float = 0.7, all_equal: float = 0.2,
+               step_s: float = 2.0) -> Path:
     path.mkdir(parents=True)
     rows = [{"step": 0, "time": 40.0, "eval/reward": accuracies[0]}]  # before training, after start-up
     for step in range(1, 21):
-        rows.append({"step": step, "time": 50.0 + 2.0 * step, "time/step_s": 2.0, "samples": 128,
-                     "is/behaviour_kl": 1e-3 * step, "policy/entropy": entropy, "reward/all_equal_frac": all_equal})
+        rows.append({"step": step, "time": 50.0 + step_s * step, "time/step_s": step_s, "samples": 128,
+                     "reward/mean": 0.01 * step, "is/behaviour_kl": 1e-3 * step, "policy/entropy": entropy,
+                     "reward/all_equal_frac": all_equal, "is/ess": 1.0 - 0.01 * step, "policy/clip_frac": 0.1,
+                     "staleness/mean": 1.0})
         if step in accuracies:
-            rows.append({"step": step, "time": 60.0 + 2.0 * step, "eval/reward": accuracies[step]})
+            rows.append({"step": step, "time": 60.0 + step_s * step, "eval/reward": accuracies[step]})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def test_curve_is_timed_by_the_step_whose_weights_were_evaluated(tmp_path: Path) -> None:
-    run = read_run(_write_run(tmp_path / "a", {0: 0.1, 5: 0.15, 10: 0.32, 20: 0.45}, 0.8, 0.2))
+    run = read_run(_write_run(tmp_path / "a", {0: 0.1, 5: 0.15, 10: 0.32, 20: 0.45}))
     # RL starts when step 1 starts (t = 50); step 10 ended at 70: 20 s of RL, not the eval row's 80
-    assert run["curve"] == [(0.0, 0.1), (10.0, 0.15), (20.0, 0.32), (40.0, 0.45)]
+    assert run["curve"] == [(0.0, 0, 0.1), (10.0, 5, 0.15), (20.0, 10, 0.32), (40.0, 20, 0.45)]
     assert run["steps"] == 20 and run["wall_s"] == 40.0 and abs(run["samples_per_s"] - 20 * 128 / 40) < 1e-9
-    assert abs(run["kl_max"] - 0.02) < 1e-12
+    assert run["kl_max"] == pytest.approx(0.02) and run["ess_min"] == pytest.approx(0.8)
+    assert run["train_reward_last"] == pytest.approx(0.195)  # the last tenth: steps 19 and 20
     assert time_to(run["curve"], 0.3) == 20.0 and time_to(run["curve"], 0.5) is None
 
 
-def test_table_names_levels_not_reached_and_a_collapsed_policy(tmp_path: Path) -> None:
-    a = read_run(_write_run(tmp_path / "a", {0: 0.1, 10: 0.05, 20: 0.05}, 1e-4, 1.0))
-    s = read_run(_write_run(tmp_path / "s", {0: 0.1, 10: 0.25, 20: 0.3}, 0.7, 0.3))
-    text = table({"async": a, "sync": s}, 0.1, [0.1, 0.3])
-    assert "RL time to warm start + 0.1" in text
-    assert "not reached within the run: +0.1: async not reached" in text
-    assert "not reached within the run: +0.3: async not reached, sync not reached" in text
-    lines = text.splitlines()
-    assert any(l.startswith("async collapsed") for l in lines) and not any(l.startswith("sync collapsed") for l in lines)
-    assert "every step of every mode under the bound" in text
+def test_time_to_syncs_final_accuracy_and_the_speed_up(tmp_path: Path) -> None:
+    sync = [read_run(_write_run(tmp_path / f"s{i}", {0: 0.3, 10: 0.4, 20: final}))
+            for i, final in enumerate((0.5, 0.52, 0.48))]  # sync's final: median 0.5, reached at 40 s
+    fast = [read_run(_write_run(tmp_path / f"a{i}", {0: 0.3, 10: 0.51, 20: 0.55}, step_s=1.0)) for i in range(3)]
+    stats = summarize({"sync": sync, "async": fast}, [0.1, 0.3])
+    assert stats["sync"]["sync_final"] == 0.5
+    assert stats["sync"]["to_sync_final"] == [40.0, 40.0, None]  # the seed that ended at 0.48 never reached 0.5
+    assert stats["async"]["to_sync_final"] == [10.0, 10.0, 10.0]
+    assert stats["async"]["levels"][0.1] == [10.0] * 3 and stats["async"]["levels"][0.3] == [None] * 3
+    text = table(stats, [0.1, 0.3], warm={0: 0.3, 1: 0.31})
+    assert "RL s to sync's final accuracy 0.500" in text
+    assert "40 s [40, 40] (2/3 seeds)" in text and "10 s [10, 10]" in text
+    assert "held-out accuracy at the end" in text and "0.500 [0.480, 0.520]" in text
+    assert "warm starts (held-out accuracy, in-process): seed 0: 0.300, seed 1: 0.310" in text
+    # one sync seed never reached: no median time to divide by
+    assert [line for line in text.splitlines() if "speed-up" in line][0].split()[-2:] == ["-", "-"]
+    sync[2]["curve"][-1] = (40.0, 20, 0.5)
+    text = table(summarize({"sync": sync, "async": fast}, [0.1]), [0.1])
+    assert [line for line in text.splitlines() if "speed-up" in line][0].split()[-2:] == ["1.00x", "4.00x"]
+
+
+def test_a_collapsed_run_is_counted(tmp_path: Path) -> None:
+    down = read_run(_write_run(tmp_path / "d", {0: 0.3, 20: 0.2}))
+    flat_and_cold = read_run(_write_run(tmp_path / "c", {0: 0.3, 20: 0.3}, entropy=1e-3))
+    fine = read_run(_write_run(tmp_path / "f", {0: 0.3, 20: 0.4}, entropy=1e-3))  # sharp but it learned
+    assert [collapsed(r) for r in (down, flat_and_cold, fine)] == [True, True, False]
+    text = table(summarize({"stale4/legacy": [down, flat_and_cold, fine]}, [0.1]), [0.1])
+    assert "stale4/legacy: 2 of 3 runs collapsed" in text
+
+
+def test_band_is_the_step_function_mean_min_max():
+    curves = [[(0.0, 0.1), (10.0, 0.5)], [(0.0, 0.3), (5.0, 0.2), (20.0, 0.9)]]
+    mean, lo, hi = _band(curves, [0.0, 6.0, 10.0, 15.0])
+    assert mean == pytest.approx([0.2, 0.15, 0.35, 0.2]) and lo[2] == 0.2 and hi[2] == 0.5
+    assert hi[3] == 0.2  # past the first curve's end only the second counts
+
+
+def test_arms_parse_into_overrides():
+    assert arm_overrides("sync") == ["--train.mode=sync"]
+    assert arm_overrides("async3/m2po") == ["--train.mode=async", "--train.max_staleness=3",
+                                            "--train.loss.trust_region=behaviour", "--train.loss.is_correction=m2po"]
+    stale = arm_overrides("stale4/legacy")
+    assert "--train.forced_staleness=4" in stale and "--train.loss.trust_region=none" in stale
+    with pytest.raises(ValueError, match="schedule 'fast'"):
+        arm_overrides("fast")
+    with pytest.raises(ValueError, match="objective 'magic'"):
+        arm_overrides("sync/magic")
+    with pytest.raises(SystemExit):
+        _parse(["--arms", "sync,bogus"])
+
+
+def test_report_reads_the_runs_of_a_directory(tmp_path: Path) -> None:
+    for seed in (0, 1):
+        seed_dir = tmp_path / f"seed{seed}"
+        for arm, final in (("sync", 0.4), ("stale2/behaviour", 0.45)):
+            run = read_run(_write_run(seed_dir / arm.replace("/", "-"), {0: 0.3, 20: final}))
+            (seed_dir / arm.replace("/", "-") / "run.json").write_text(
+                json.dumps({"arm": arm, "seed": seed, "overrides": [], "run": run}))
+        (seed_dir / "warm.json").write_text(json.dumps({"seed": seed, "accuracy": 0.3}))
+    runs, warm = collect(tmp_path)
+    assert sorted(runs) == ["stale2/behaviour", "sync"] and len(runs["sync"]) == 2 and warm == {0: 0.3, 1: 0.3}
+    text = report(tmp_path, [0.1])
+    assert "stale2/behaviour" in text and (tmp_path / "learn.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "learn.json").read_text())["stats"]["sync"]["seeds"] == 2

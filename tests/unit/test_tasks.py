@@ -410,3 +410,44 @@ def test_reward_error_kinds() -> None:
         assert reward_error_kind(error) == kind and len(error) < 300
     _, error = safe_reward(_StubTask(_StubConfig(), exc=KeyError("answer")), p, [])
     assert reward_error_kind(error) == "raised"
+
+
+# ----------------------------------------------------------------------------------------- held-out split (issue 35)
+def test_held_out_problems_are_never_trained_on():
+    """Two-digit sums: the eval split is every held-out problem (about held_out of them), training never draws
+    one (neither RL prompts nor warm-start examples), and the split is the same for every seed."""
+    task = ArithmeticTask(ArithmeticConfig(max_operand=99, held_out=0.2, seed=1))
+    evals = {task.eval_prompt_at(i).prompt_text for i in range(task.eval_size)}
+    assert len(evals) == task.eval_size and 1800 <= task.eval_size <= 2200
+    trained = {task.prompt_at(i).prompt_text for i in range(3000)}
+    sft = {BYTES.decode(task.sft_example(i)[0]) for i in range(1000)}
+    assert len(trained) > 1500 and not trained & evals and not sft & evals
+    other_seed = ArithmeticTask(ArithmeticConfig(max_operand=99, held_out=0.2, seed=7))
+    assert [other_seed.eval_prompt_at(i).prompt_text for i in range(50)] == \
+        [task.eval_prompt_at(i).prompt_text for i in range(50)]
+    p = task.eval_prompt_at(3)
+    a, b = map(int, p.prompt_text.rstrip("=").split("+"))
+    assert p.answer == str(a + b) and task.eval_prompt_at(3 + task.eval_size).prompt_text == p.prompt_text
+
+
+def test_held_out_zero_draws_both_splits_from_every_problem():
+    task = ArithmeticTask(ArithmeticConfig(max_operand=9, held_out=0.0))
+    assert task.eval_size is None
+    evals = {task.eval_prompt_at(i).prompt_text for i in range(2000)}
+    assert evals == {task.prompt_at(i).prompt_text for i in range(2000)} and len(evals) == 100
+
+
+def test_a_large_problem_space_holds_out_an_endless_stream():
+    task = ArithmeticTask(ArithmeticConfig(max_operand=999, held_out=0.5))
+    assert task.eval_size is None
+    from moerl.tasks.arithmetic import held_out
+
+    assert all(held_out(task.eval_prompt_at(i).prompt_text.rstrip("="), 0.5) for i in range(100))
+    assert not any(held_out(task.prompt_at(i).prompt_text.rstrip("="), 0.5) for i in range(100))
+
+
+@pytest.mark.parametrize("options,match", [({"max_operand": 0, "held_out": 0.2}, "no held-out problem among the 1"),
+                                           ({"held_out": 0.95}, r"'held_out' must be in \[0, 0.9\]")])
+def test_a_split_that_leaves_a_side_empty_is_refused(options, match):
+    with pytest.raises(TaskError, match=match):
+        ArithmeticTask(ArithmeticConfig(**options))
