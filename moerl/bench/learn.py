@@ -16,6 +16,7 @@ Arms, `schedule[/objective]`:
   objectives  default (the shipped loss); legacy (4dcea02's: no clip, TIS against the current policy);
               behaviour (clip against the rollout's log-probs); proximal (AReaL's decoupled PPO, 4 updates per step);
               m2po (behaviour + M2PO's mask); ess (behaviour + VCPO's ESS-scaled step)
+  and after `@`, overrides of that arm alone: `stale4/proximal@train.optim.lr=7.5e-5;train.minibatches=2`
 
 1. Per seed, one warm start shared by that seed's arms: supervised steps on the training problems, in chunks of
    --warm-chunk, until greedy accuracy on the held-out problems first reaches --warm-target. Deterministic in the
@@ -24,7 +25,7 @@ Arms, `schedule[/objective]`:
    evaluated greedily on every held-out problem every --eval-every steps and before the first step.
 3. The table (moerl/bench/learn_report.py): per arm, median [min, max] over seeds of the held-out accuracy before and
    after, train reward, time to sync's final accuracy and to fixed gains, throughput and health; learn.png the
-   curves with their spread. A run already in --out (its run.json) is read, not run again (--rerun to redo).
+   curves with their spread. A run or warm start already in --out is read, not made again (--rerun to redo).
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ OBJECTIVES = {
 
 
 def arm_overrides(arm: str) -> list[str]:
-    """The overrides of `schedule[/objective]` (module doc); ValueError naming the arm when it is not one."""
+    """The overrides of `schedule[/objective][@key=value;...]` (module doc); ValueError naming the arm when it is
+    not one."""
+    arm, _, extra = arm.partition("@")
+    extra_overrides = [f"--{kv.strip()}" for kv in extra.split(";") if kv.strip()]
+    if any("=" not in kv for kv in extra_overrides):
+        raise ValueError(f"--arms: {arm}@{extra} has an override without '=' (key=value;key=value)")
     schedule, _, objective = arm.partition("/")
     if (objective or "default") not in OBJECTIVES:
         raise ValueError(f"--arms: {arm!r} has objective {objective!r}; known: {', '.join(OBJECTIVES)}")
@@ -71,7 +77,7 @@ def arm_overrides(arm: str) -> list[str]:
         sched = ["--train.mode=async", f"--train.max_staleness={m[1]}", f"--train.forced_staleness={m[1]}"]
     else:
         raise ValueError(f"--arms: {arm!r} has schedule {schedule!r}; known: sync, async, asyncK, staleK (K >= 1)")
-    return sched + OBJECTIVES[objective or "default"]
+    return sched + OBJECTIVES[objective or "default"] + extra_overrides
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -110,7 +116,7 @@ def _shape(args: argparse.Namespace, gpu: bool) -> list[str]:
 
 
 def _arm_dir(arm: str) -> str:
-    return arm.replace("/", "-")
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", arm)
 
 
 def held_out_accuracy(engine, eval_set, prompts: int, sampling) -> float:
@@ -183,7 +189,7 @@ def collect(out: Path) -> tuple[dict[str, list[dict]], dict[int, float]]:
     runs: dict[str, list[dict]] = {}
     for path in sorted(out.glob("seed*/*/run.json")):
         d = json.loads(path.read_text())
-        runs.setdefault(d["arm"], []).append(d["run"])
+        runs.setdefault(d["arm"], []).append({**d["run"], "seed": d["seed"]})
     warm = {}
     for path in sorted(out.glob("seed*/warm.json")):
         d = json.loads(path.read_text())
@@ -226,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         if not todo:
             done += len(args.arm_list)
             continue
-        warm = warm_start(args, gpu, seed_dir / "warm-start", seed)
-        (seed_dir / "warm.json").write_text(json.dumps({"seed": seed, **{k: v for k, v in warm.items()}}))
+        if not args.rerun and (seed_dir / "warm.json").exists() and (seed_dir / "warm-start").exists():
+            warm = json.loads((seed_dir / "warm.json").read_text())  # deterministic in the seed: made already
+        else:
+            warm = warm_start(args, gpu, seed_dir / "warm-start", seed)
+            (seed_dir / "warm.json").write_text(json.dumps({"seed": seed, **warm}))
         print(f"warm start (seed {seed}): {warm['steps']} supervised steps in {warm['seconds']:.0f} s, held-out "
               f"accuracy {warm['accuracy']:.3f}", flush=True)
         for arm in args.arm_list:
