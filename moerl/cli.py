@@ -29,24 +29,11 @@ EXIT_CODES = ("exit status: 0 the run finished; 1 it failed (the error line says
 
 
 def config_sections() -> str:
-    """The config's sections and their keys (moerl/config.py's dataclasses), one section a line, for --help."""
+    """Every config key with its default and description (moerl/config_docs.py: the fields' docstrings), for --help."""
     from moerl.config import MoerlConfig
+    from moerl.config_docs import help_text
 
-    lines = []
-
-    def walk(section: object, name: str) -> None:
-        fields = dataclasses.fields(section)  # type: ignore[arg-type]
-        nested = [f for f in fields if dataclasses.is_dataclass(getattr(section, f.name))]
-        keys = [f.name for f in fields if f not in nested]
-        if name:
-            lines.extend(textwrap.wrap(", ".join(keys), 112, initial_indent=f"  {name:<13}",
-                                       subsequent_indent=" " * 15))
-        for f in nested:
-            walk(getattr(section, f.name), f"{name}.{f.name}" if name else f.name)
-
-    walk(MoerlConfig(), "")
-    return ("config sections (set any key with --section.key=value; `moerl config CONFIG` prints them resolved):\n"
-            + "\n".join(lines))
+    return help_text(MoerlConfig)
 
 
 def _overrides(parser: argparse.ArgumentParser, extra: list[str]) -> list[str]:
@@ -98,14 +85,33 @@ def _bench(argv: list[str]) -> int:
 def _config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="moerl config", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="moerl config CONFIG.toml [--section.key=value ...]",
+        usage="moerl config CONFIG.toml [--section.key=value ...] | moerl config --reference [--out FILE]",
         description=textwrap.fill("Print the resolved config (defaults < file < overrides) as TOML, after its "
                                   "checks: every key's type and value, the task's options against the task's "
                                   "own option class, the model directory's headers, and the task's data and "
-                                  "tokenizer with its first prompt (exit 2 with one line naming a problem).", 112),
+                                  "tokenizer with its first prompt (exit 2 with one line naming a problem). "
+                                  "--reference: every key's type, default and description as Markdown (what "
+                                  "docs/config.md holds).", 112),
         epilog=config_sections())
-    parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
+    parser.add_argument("config", nargs="?", help="TOML config (e.g. configs/demo.toml)")
+    parser.add_argument("--reference", action="store_true", help="print the configuration reference (Markdown)")
+    parser.add_argument("--out", metavar="FILE", help="with --reference: write it to FILE (docs/config.md)")
     args, extra = parser.parse_known_args(argv)
+    if args.reference:
+        from moerl.config import MoerlConfig
+        from moerl.config_docs import reference_markdown
+
+        text = reference_markdown(MoerlConfig)
+        if args.out:
+            from pathlib import Path
+
+            Path(args.out).write_text(text)
+            print(f"wrote {args.out}")
+        else:
+            print(text, end="")
+        return 0
+    if args.config is None:
+        parser.error("the following arguments are required: config (or --reference)")
     from moerl.config import ConfigError, MoerlConfig, config_from_dict, config_to_dict, dump_toml, load_config
     from moerl.redact import redact, redact_config
 

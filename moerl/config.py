@@ -2,36 +2,32 @@
 
     cfg = load_config("configs/demo.toml", ["--train.steps=20", "--rollout.num_workers=3"])
 
-The schema (`MoerlConfig`) is plain dataclasses with defaults; the loader is generic and works for
-any nested dataclass schema. Precedence: field defaults < TOML file < overrides. Unknown keys, wrong
-types and failed `validate()` checks raise `ConfigError` naming the dotted key. On the command line
-an override value is parsed as a TOML literal (`20`, `3.5`, `true`, `[1, 2]`, `"x"`), else taken as a
-plain string; `none`/`null` sets an Optional field to None (TOML has no null: `dump_toml` omits None).
-To add a field: give it a default and a comment; put its checks in the section's `validate()`. To move a
-key, list its old and new dotted names in `MOVED_KEYS`: the old one then fails with an error naming the new.
-`ConfigError` and `require` live in the torch-free `moerl.checks` and are re-exported here.
+The schema (`MoerlConfig`) is plain dataclasses with defaults; the generic loader is moerl/config_loader.py
+(precedence: field defaults < TOML file < overrides; errors name the dotted key). Every field's description is
+its attribute docstring, the string right under it: the one source that `moerl config --reference` (docs/config.md,
+moerl/config_docs.py) and `moerl train --help` read, and that editors show on hover. To add a field: give it a
+default and a docstring, put its checks in the section's `validate()`, and regenerate docs/config.md (a test fails
+until it matches). To move a key, list its old and new dotted names in `MOVED_KEYS`: the old one then fails with
+an error naming the new. `ConfigError` and `require` live in the torch-free `moerl.checks` and are re-exported.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
 import re
-import tomllib
-import types
-import typing
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, TypeVar
 
-from moerl.checks import CheckFailed, ConfigError, require
-from moerl.redact import MASK, looks_secret, redact, redact_config, secret_key
+from moerl import config_loader
+from moerl.checks import ConfigError, require
+from moerl.config_loader import COMMAND_LINE, config_to_dict, dump_toml
+from moerl.redact import looks_secret
 from moerl.train.config import LossConfig, OptimConfig
 
+__all__ = ["COMMAND_LINE", "MOVED_KEYS", "ConfigError", "MoerlConfig", "config_from_dict", "config_to_dict",
+           "dump_toml", "load_config", "require"]
 T = TypeVar("T")
-COMMAND_LINE = "the command line"
 
 # Keys that have moved: old dotted key -> new dotted key. A file or override that still uses the old key gets a
 # ConfigError naming the new one (before the generic unknown-key error).
@@ -50,34 +46,52 @@ MOVED_KEYS: dict[str, str] = {
 # ----------------------------------------------------------------------------------------- schema
 @dataclass
 class RunConfig:
-    name: str = "demo"  # run name, shown in logs and metrics
-    dir: str = "runs/demo"  # where everything of the run is written (logs, metrics, checkpoints)
-    seed: int = 0  # global random seed
-    # CPU only (preflight refuses it on a GPU): torch's deterministic algorithms in every trainer and rollout process,
-    # sync mode, batches in task order, log-probs and routing from one full forward (bitwise = the trainer's)
+    name: str = "demo"
+    """run name, shown in logs and metrics"""
+    dir: str = "runs/demo"
+    """where everything of the run is written (logs, metrics, checkpoints)"""
+    seed: int = 0
+    """global random seed"""
     deterministic: bool = False
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available, else cpu
-    log_level: Literal["debug", "info", "warning", "error"] = "info"  # logging verbosity
-    wandb: bool = False  # also log to Weights & Biases (pip install wandb); TensorBoard is always written
-    wandb_project: str = "moerl"  # the W&B project
-    wandb_name: str = ""  # the W&B run name; empty = run.name
-    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # offline: no network (`wandb sync` later); auto: env
+    """CPU only (preflight refuses it on a GPU): torch's deterministic algorithms in every trainer and rollout
+    process, sync mode, batches in task order, log-probs and routing from one full forward (bitwise = the
+    trainer's)
+    """
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available, else cpu"""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """logging verbosity"""
+    wandb: bool = False
+    """also log to Weights & Biases (pip install wandb); TensorBoard is always written"""
+    wandb_project: str = "moerl"
+    """the W&B project"""
+    wandb_name: str = ""
+    """the W&B run name; empty = run.name"""
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    """offline: no network (`wandb sync` later); auto: env"""
 
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # Hugging Face checkpoint directory; empty = random-init model from `preset`
-    preset: str = "tiny"  # named architecture used when `path` is empty
-    # the trainer's forward/backward dtype and the rollout engine's weights (master weights: train.master_dtype)
+    path: str = ""
+    """Hugging Face checkpoint directory; empty = random-init model from `preset`"""
+    preset: str = "tiny"
+    """named architecture used when `path` is empty"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    dispatcher: Literal["auto", "local", "all_to_all", "symm_mem"] = "auto"  # MoE token dispatch backend
-    # Expert capacity as a multiple of the even share; only 0 (dropless) is accepted: which tokens a capacity drops
-    # depends on the batch a forward sees, and the engine's decode batches are never the trainer's micro-batches,
-    # so the trainer would train a function the rollout did not sample from (drops are not replayed yet)
+    """the trainer's forward/backward dtype and the rollout engine's weights (master weights: train.master_dtype)"""
+    dispatcher: Literal["auto", "local", "all_to_all", "symm_mem"] = "auto"
+    """MoE token dispatch backend"""
     capacity_factor: float = 0.0
-    router_aux_loss_coef: float = 0.0  # weight of the router load-balancing auxiliary loss
-    expert_bias_update_rate: float = 0.0  # aux-loss-free balancing: expert bias step; 0 = off
-    routing_replay: bool = True  # train on the expert routing recorded at rollout time
+    """Expert capacity as a multiple of the even share; only 0 (dropless) is accepted: which tokens a capacity drops
+    depends on the batch a forward sees, and the engine's decode batches are never the trainer's micro-batches,
+    so the trainer would train a function the rollout did not sample from (drops are not replayed yet)
+    """
+    router_aux_loss_coef: float = 0.0
+    """weight of the router load-balancing auxiliary loss"""
+    expert_bias_update_rate: float = 0.0
+    """aux-loss-free balancing: expert bias step; 0 = off"""
+    routing_replay: bool = True
+    """train on the expert routing recorded at rollout time"""
 
     def validate(self) -> None:
         require(self.capacity_factor == 0, "capacity_factor",
@@ -87,7 +101,8 @@ class ModelConfig:
 
 @dataclass
 class EPConfig:
-    size: int = 1  # expert-parallel group size: ranks that split the experts between them
+    size: int = 1
+    """expert-parallel group size: ranks that split the experts between them"""
 
     def validate(self) -> None:
         require(self.size >= 1, "size", "must be >= 1")
@@ -95,37 +110,64 @@ class EPConfig:
 
 @dataclass
 class RolloutConfig:
-    num_workers: int = 2  # rollout (generation) worker processes
-    group_size: int = 8  # completions sampled per prompt (one GRPO group)
-    max_new_tokens: int = 32  # generation length limit per completion
-    temperature: float = 1.0  # sampling temperature
-    top_p: float = 1.0  # nucleus sampling probability mass; 1 = off
-    top_k: int = 0  # sample from the k most likely tokens only; 0 = off
-    max_batch_size: int = 64  # most sequences in one batched generation call
-    max_seq_len: int = 512  # prompt + completion tokens per sequence
-    kv_block_size: int = 16  # positions per KV-cache block (the unit of allocation and of prefix sharing)
-    kv_cache_tokens: int = 0  # KV-cache size; 0 = from gpu_memory_fraction (GPU), max_batch_size x max_seq_len (CPU)
-    gpu_memory_fraction: float = 0.9  # share of a GPU for the engine: weights + activation reserve + KV cache
-    prefix_caching: bool = True  # samples whose prompts share full KV blocks compute and store them once
-    # launch decode step N+1 before reading step N's tokens (host bookkeeping off the device's critical path);
-    # outputs are identical either way; auto = on CUDA only; an engine group (ep_size > 1) always runs without it
+    num_workers: int = 2
+    """rollout (generation) worker processes"""
+    group_size: int = 8
+    """completions sampled per prompt (one GRPO group)"""
+    max_new_tokens: int = 32
+    """generation length limit per completion"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    top_p: float = 1.0
+    """nucleus sampling probability mass; 1 = off"""
+    top_k: int = 0
+    """sample from the k most likely tokens only; 0 = off"""
+    max_batch_size: int = 64
+    """most sequences in one batched generation call"""
+    max_seq_len: int = 512
+    """prompt + completion tokens per sequence"""
+    kv_block_size: int = 16
+    """positions per KV-cache block (the unit of allocation and of prefix sharing)"""
+    kv_cache_tokens: int = 0
+    """KV-cache size; 0 = from gpu_memory_fraction (GPU), max_batch_size x max_seq_len (CPU)"""
+    gpu_memory_fraction: float = 0.9
+    """share of a GPU for the engine: weights + activation reserve + KV cache"""
+    prefix_caching: bool = True
+    """samples whose prompts share full KV blocks compute and store them once"""
     overlap_decode: Literal["auto", "on", "off"] = "auto"
-    ep_size: int = 1  # ranks (GPUs) per rollout engine: experts split over them, dense layers on each (EngineGroup)
-    max_inflight_groups: int = 0  # prompt groups a worker works on at once; 0 = from the engine's batch
-    cpus_per_worker: float = 1.0  # Ray CPUs per worker (fractional is fine on a laptop)
+    """launch decode step N+1 before reading step N's tokens (host bookkeeping off the device's critical path);
+    outputs are identical either way; auto = on CUDA only; an engine group (ep_size > 1) always runs without it
+    """
+    ep_size: int = 1
+    """ranks (GPUs) per rollout engine: experts split over them, dense layers on each (EngineGroup)"""
+    max_inflight_groups: int = 0
+    """prompt groups a worker works on at once; 0 = from the engine's batch"""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs per worker (fractional is fine on a laptop)"""
     gpus_per_worker: float = 0.0
-    threads: int = 1  # torch threads per worker
-    heartbeat_s: float = 2.0  # ping period
-    heartbeat_timeout_s: float = 60.0  # a worker silent this long is lost; its leases go back
-    start_timeout_s: float = 600.0  # a worker not placed and built by then is a failed start (3 in a row end the run)
-    lease_timeout_s: float = 600.0  # a lease not renewed by a heartbeat this long returns to the queue
-    max_attempts: int = 3  # failed generations of a group (or deaths of the worker that ran it alone) before it fails
-    # rollout workers lost in a row before any finished a group that end the run; 0 = max(8, 2 x num_workers)
+    """Ray GPUs per worker (fractional shares one GPU with a trainer rank: 0.45 on one H200); 0 = CPU"""
+    threads: int = 1
+    """torch threads per worker"""
+    heartbeat_s: float = 2.0
+    """ping period"""
+    heartbeat_timeout_s: float = 60.0
+    """a worker silent this long is lost; its leases go back"""
+    start_timeout_s: float = 600.0
+    """a worker not placed and built by then is a failed start (3 in a row end the run)"""
+    lease_timeout_s: float = 600.0
+    """a lease not renewed by a heartbeat this long returns to the queue"""
+    max_attempts: int = 3
+    """failed generations of a group (or deaths of the worker that ran it alone) before it fails"""
     max_worker_losses: int = 0
-    respawn_backoff_s: float = 1.0  # a replacement after such losses waits this, doubled per loss in a row ...
-    respawn_backoff_max_s: float = 60.0  # ... up to this
-    grace_s: float = 90.0  # preemption: hand back and exit within this
-    imds_url: str = ""  # EC2 spot notice URL to poll every 5 s ("" = off; SIGTERM always works)
+    """rollout workers lost in a row before any finished a group that end the run; 0 = max(8, 2 x num_workers)"""
+    respawn_backoff_s: float = 1.0
+    """a replacement after such losses waits this, doubled per loss in a row ..."""
+    respawn_backoff_max_s: float = 60.0
+    """... up to this"""
+    grace_s: float = 90.0
+    """preemption: hand back and exit within this"""
+    imds_url: str = ""
+    """EC2 spot notice URL to poll every 5 s ("" = off; SIGTERM always works)"""
 
     def validate(self) -> None:
         for name in ("num_workers", "max_new_tokens", "max_batch_size", "ep_size"):
@@ -164,11 +206,16 @@ class HealthConfig:
     """Training-health warnings (moerl/runlog/health.py): each said on the console and in error.log once per
     episode (when it starts; again only after it has cleared for `window` steps), with its likely cause and knob."""
 
-    entropy_floor: float = 0.05  # policy/entropy (nats per token) under this for `window` steps; 0 = off
-    ess_floor: float = 0.3  # is/ess (effective sample size of the importance weights) under this; 0 = off
-    all_equal_max: float = 0.95  # reward/all_equal_frac (groups without signal) over this; 1 = off
-    flat_reward_steps: int = 50  # reward/mean at one value for this many steps in a row; 0 = off
-    window: int = 5  # steps in a row a condition must hold (and must be clear) before it is said
+    entropy_floor: float = 0.05
+    """policy/entropy (nats per token) under this for `window` steps; 0 = off"""
+    ess_floor: float = 0.3
+    """is/ess (effective sample size of the importance weights) under this; 0 = off"""
+    all_equal_max: float = 0.95
+    """reward/all_equal_frac (groups without signal) over this; 1 = off"""
+    flat_reward_steps: int = 50
+    """reward/mean at one value for this many steps in a row; 0 = off"""
+    window: int = 5
+    """steps in a row a condition must hold (and must be clear) before it is said"""
 
     def validate(self) -> None:
         require(self.entropy_floor >= 0, "entropy_floor", "must be >= 0 (0 = off)")
@@ -180,53 +227,82 @@ class HealthConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 50  # RL steps in the run (each is train.minibatches optimizer updates)
-    batch_groups: int = 8  # prompt groups consumed per RL step
-    # optimizer updates per RL step, each on a contiguous share of the batch; with more than one, the step first takes
-    # the policy's log-probs at its start (one no-grad forward), which train.loss.trust_region "proximal" clips against
+    steps: int = 50
+    """RL steps in the run (each is train.minibatches optimizer updates)"""
+    batch_groups: int = 8
+    """prompt groups consumed per RL step"""
     minibatches: int = 1
-    max_staleness: int = 1  # most policy versions a rollout may lag behind the learner
-    mode: Literal["async", "sync"] = "async"  # async = rollout overlaps training; sync = alternate
-    # experiments (async mode): every batch is generated by weights exactly this many versions behind the ones it is
-    # trained at (the first batches by the initial weights), whatever the timing: a pipeline of this depth held in
-    # lock-step, rollout and training overlapping; 0 = off (the staleness is whatever the run's pace gives)
+    """optimizer updates per RL step, each on a contiguous share of the batch; with more than one, the step first
+    takes the policy's log-probs at its start (one no-grad forward), which train.loss.trust_region "proximal"
+    clips against
+    """
+    max_staleness: int = 1
+    """most policy versions a rollout may lag behind the learner"""
+    mode: Literal["async", "sync"] = "async"
+    """async = rollout overlaps training; sync = alternate"""
     forced_staleness: int = 0
-    num_ranks: int = 1  # learner processes
-    data_parallel: Literal["fsdp", "replicate"] = "fsdp"  # across num_ranks: FSDP2-shard or replicate the weights
-    stale_policy: Literal["drop", "regenerate"] = "drop"  # what happens to groups over max_staleness
-    sft_steps: int = 0  # supervised warm-start steps before RL (on the task's reference answers)
-    sft_batch: int = 32  # examples per warm-start step
-    sft_lr: float = 3e-3  # warm-start learning rate
-    cpus_per_rank: float = 1.0  # Ray CPUs per trainer rank
+    """experiments (async mode): every batch is generated by weights exactly this many versions behind the ones it
+    is trained at (the first batches by the initial weights), whatever the timing: a pipeline of this depth held
+    in lock-step, rollout and training overlapping; 0 = off (the staleness is whatever the run's pace gives)
+    """
+    num_ranks: int = 1
+    """learner processes"""
+    data_parallel: Literal["fsdp", "replicate"] = "fsdp"
+    """across num_ranks: FSDP2-shard or replicate the weights"""
+    stale_policy: Literal["drop", "regenerate"] = "drop"
+    """what happens to groups over max_staleness"""
+    sft_steps: int = 0
+    """supervised warm-start steps before RL (on the task's reference answers)"""
+    sft_batch: int = 32
+    """examples per warm-start step"""
+    sft_lr: float = 3e-3
+    """warm-start learning rate"""
+    cpus_per_rank: float = 1.0
+    """Ray CPUs per trainer rank"""
     gpus_per_rank: float = 0.0
-    threads: int = 1  # torch threads per trainer rank
-    collective_timeout_s: float = 300.0  # a rank silent this long in a step is named as the straggler
-    master_dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and AdamW state (compute: model.dtype)
-    micro_batch_tokens: int = 0  # positions per packed micro-batch (gradients accumulate); 0 = one per step
-    # recompute in backward instead of keeping: true = each whole decoder layer, "selective" = all but its GEMM and
-    # attention outputs (moerl/model/checkpointing.py), false = nothing
+    """Ray GPUs per trainer rank (fractional to share one GPU with a rollout worker); 0 = CPU"""
+    threads: int = 1
+    """torch threads per trainer rank"""
+    collective_timeout_s: float = 300.0
+    """a rank silent this long in a step is named as the straggler"""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """parameters and AdamW state (compute: model.dtype)"""
+    micro_batch_tokens: int = 0
+    """positions per packed micro-batch (gradients accumulate); 0 = one per step"""
     activation_checkpointing: Literal[False, True, "selective"] = False
-    # FSDP (num_ranks > 1): reduce-scatter the gradients once per step, after the last micro-batch (FSDP2's no-sync),
-    # instead of after each. Fewer collectives; each rank holds the whole float32 gradients of its FSDP units
-    # between micro-batches (4 bytes per parameter: size it before turning it on)
+    """recompute in backward instead of keeping: true = each whole decoder layer, "selective" = all but its GEMM and
+    attention outputs (moerl/model/checkpointing.py), false = nothing
+    """
     reduce_grads_once: bool = False
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no gradient), lease more
-    # groups dropped per step at most (0 = 4 x batch_groups); past it all-equal groups are kept, with a warning
+    """FSDP (num_ranks > 1): reduce-scatter the gradients once per step, after the last micro-batch (FSDP2's no-
+    sync), instead of after each. Fewer collectives; each rank holds the whole float32 gradients of its FSDP
+    units between micro-batches (4 bytes per parameter: size it before turning it on)
+    """
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (no gradient), lease more"""
     dynamic_sampling_max_extra: int = 0
-    # is/behaviour_kl (per token) over this is said on the console and in error.log, once per episode (0 = off).
-    # bf16 numerics alone stay near 1e-4 in sync mode; the demo's async drift peaks near 0.1; a weight-sync bug
-    # read ~10 nats, and an async run on the H200 that collapsed passed 0.4 in its third step
+    """groups dropped per step at most (0 = 4 x batch_groups); past it all-equal groups are kept, with a warning"""
     behaviour_kl_bound: float = 0.2
-    time_limit_s: float = 0.0  # RL ends after this many seconds (saved as on a graceful stop) if `steps` are not done; 0 = none
-    # no step for this long ends the run (exit 1), naming what it waits for; warned at each quarter; 0 = off
+    """is/behaviour_kl (per token) over this is said on the console and in error.log, once per episode (0 = off).
+    bf16 numerics alone stay near 1e-4 in sync mode; the demo's async drift peaks near 0.1; a weight-sync bug
+    read ~10 nats, and an async run on the H200 that collapsed passed 0.4 in its third step
+    """
+    time_limit_s: float = 0.0
+    """RL ends after this many seconds (saved as on a graceful stop) if `steps` are not done; 0 = none"""
     step_timeout_s: float = 1800.0
-    # prompt groups failed for good, or samples whose reward failed, over this share of the last `failure_window`
-    # of them end the run (exit 1) naming the first; 1 = never (a run that trains no sample always fails)
+    """no step for this long ends the run (exit 1), naming what it waits for; warned at each quarter; 0 = off"""
     max_failed_fraction: float = 0.5
-    failure_window: int = 100  # groups (and samples) the failure share is taken over, once that many came back
-    loss: LossConfig = field(default_factory=LossConfig)  # the policy loss (moerl/train/loss.py)
-    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule
-    health: HealthConfig = field(default_factory=HealthConfig)  # collapse warnings (moerl/runlog/health.py)
+    """prompt groups failed for good, or samples whose reward failed, over this share of the last `failure_window`
+    of them end the run (exit 1) naming the first; 1 = never (a run that trains no sample always fails)
+    """
+    failure_window: int = 100
+    """groups (and samples) the failure share is taken over, once that many came back"""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """the policy loss (moerl/train/loss.py)"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and its schedule"""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """collapse warnings (moerl/runlog/health.py)"""
 
     def validate(self) -> None:
         require(self.steps >= 1, "steps", "must be >= 1")
@@ -264,15 +340,24 @@ class TrainConfig:
 class EvalConfig:
     """Evaluation during training (moerl/loop/evaluation.py): on rollout workers held at one step's weights."""
 
-    every: int = 0  # evaluate after every N optimizer steps; 0 = off (unless before_train)
-    before_train: bool = False  # also evaluate the weights the run starts from (logged at that step)
-    path: str = ""  # eval set in the task's data format (its `path` option); empty = the task's held-out split
-    samples: int = 64  # prompts per eval (the set's first ones); 0 = the whole eval set
-    k: int = 1  # samples per prompt: eval/pass@k
-    temperature: float = 0.0  # 0 = greedy
-    max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
-    workers: int = 1  # rollout workers an eval holds (they take no training work meanwhile)
-    timeout_s: float = 600.0  # at the end of the run, wait this long for an eval in flight
+    every: int = 0
+    """evaluate after every N optimizer steps; 0 = off (unless before_train)"""
+    before_train: bool = False
+    """also evaluate the weights the run starts from (logged at that step)"""
+    path: str = ""
+    """eval set in the task's data format (its `path` option); empty = the task's held-out split"""
+    samples: int = 64
+    """prompts per eval (the set's first ones); 0 = the whole eval set"""
+    k: int = 1
+    """samples per prompt: eval/pass@k"""
+    temperature: float = 0.0
+    """0 = greedy"""
+    max_new_tokens: int = 0
+    """0 = rollout.max_new_tokens"""
+    workers: int = 1
+    """rollout workers an eval holds (they take no training work meanwhile)"""
+    timeout_s: float = 600.0
+    """at the end of the run, wait this long for an eval in flight"""
 
     def validate(self) -> None:
         for name in ("every", "samples", "max_new_tokens"):
@@ -291,9 +376,12 @@ class EvalConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "moerl.tasks.arithmetic:ArithmeticTask"  # dotted path module:Class of the task
-    options: dict[str, Any] = field(default_factory=dict)  # passed to the task's own config
-    reward_timeout_s: float = 60.0  # a reward call past this fails its sample (it cannot hold its worker)
+    name: str = "moerl.tasks.arithmetic:ArithmeticTask"
+    """dotted path module:Class of the task"""
+    options: dict[str, Any] = field(default_factory=dict)
+    """passed to the task's own config"""
+    reward_timeout_s: float = 60.0
+    """a reward call past this fails its sample (it cannot hold its worker)"""
 
     def validate(self) -> None:
         require(self.reward_timeout_s > 0, "reward_timeout_s", "must be > 0")
@@ -301,15 +389,22 @@ class TaskConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # local path or s3://bucket/prefix; empty = <run.dir>/checkpoints
-    every: int = 0  # save every N optimizer steps; 0 = no periodic saves (the last step and a stop always save)
-    hf_export: bool = False  # also write every saved step as a Hugging Face directory, <run.dir>/hf/step-NNNNNNNN
-    keep: int = 3  # how many most recent checkpoints to keep
-    timeout_s: float = 1800.0  # one save (the trainer's upload included) may take this long before it counts as failed
-    max_failures: int = 3  # consecutive failed saves that end the run (a failed save is retried at the next interval)
-    # each storage call (a write, a read, a listing; S3 or local) may take this long: an endpoint that never answers
-    # fails the start-up probe, a save or an export within it, rather than freezing the run
+    dir: str = ""
+    """local path or s3://bucket/prefix; empty = <run.dir>/checkpoints"""
+    every: int = 0
+    """save every N optimizer steps; 0 = no periodic saves (the last step and a stop always save)"""
+    hf_export: bool = False
+    """also write every saved step as a Hugging Face directory, <run.dir>/hf/step-NNNNNNNN"""
+    keep: int = 3
+    """how many most recent checkpoints to keep"""
+    timeout_s: float = 1800.0
+    """one save (the trainer's upload included) may take this long before it counts as failed"""
+    max_failures: int = 3
+    """consecutive failed saves that end the run (a failed save is retried at the next interval)"""
     storage_timeout_s: float = 60.0
+    """each storage call (a write, a read, a listing; S3 or local) may take this long: an endpoint that never
+    answers fails the start-up probe, a save or an export within it, rather than freezing the run
+    """
 
     def validate(self) -> None:
         require(self.every >= 0, "every", "must be >= 0 (0 = no periodic saves)")
@@ -325,11 +420,14 @@ class CheckpointConfig:
 class WeightsConfig:
     """Weight sync, trainer -> rollout workers (moerl/actors/weight_sync): how each version travels."""
 
-    # auto = "shared" for workers on a trainer rank's node and GPU, else "object_store"; shared = CUDA IPC
-    # (a /dev/shm file on CPU); broadcast = NCCL (gloo on CPU) from the trainer to the workers in buckets
     transport: Literal["auto", "object_store", "shared", "broadcast"] = "auto"
-    bucket_mb: int = 256  # bucket size: tensors are packed into flat buffers of about this many MiB
-    timeout_s: float = 60.0  # one transfer (a broadcast, a worker's apply) may take this long before it is abandoned
+    """auto = "shared" for workers on a trainer rank's node and GPU, else "object_store"; shared = CUDA IPC (a
+    /dev/shm file on CPU); broadcast = NCCL (gloo on CPU) from the trainer to the workers in buckets
+    """
+    bucket_mb: int = 256
+    """bucket size: tensors are packed into flat buffers of about this many MiB"""
+    timeout_s: float = 60.0
+    """one transfer (a broadcast, a worker's apply) may take this long before it is abandoned"""
 
     def validate(self) -> None:
         require(self.bucket_mb >= 1, "bucket_mb", "must be >= 1")
@@ -338,11 +436,14 @@ class WeightsConfig:
 
 @dataclass
 class RayConfig:
-    address: str = ""  # address of a Ray cluster to join; empty = start a local one
-    num_cpus: int = 0  # CPUs for a local Ray; 0 = let Ray decide
-    # before Ray starts, `address` (or RAY_ADDRESS) must accept a connection within this (Ray itself retried an
-    # unreachable address for minutes)
+    address: str = ""
+    """address of a Ray cluster to join; empty = start a local one"""
+    num_cpus: int = 0
+    """CPUs for a local Ray; 0 = let Ray decide"""
     connect_timeout_s: float = 5.0
+    """before Ray starts, `address` (or RAY_ADDRESS) must accept a connection within this (Ray itself retried an
+    unreachable address for minutes)
+    """
 
     def validate(self) -> None:
         require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
@@ -361,37 +462,66 @@ _TOLERATION = re.compile(r"[A-Za-z0-9./_-]+(=[A-Za-z0-9._-]*)?(:(NoSchedule|Pref
 class LaunchConfig:
     """`moerl launch` (moerl/launch, docs/eks.md): TorchX apps; on Kubernetes, Volcano jobs on EKS."""
 
-    name: str = ""  # jobs are <name>-trainer and <name>-rollout; empty = run.name
-    image: str = ""  # container image with moerl installed (required by the kubernetes scheduler)
-    namespace: str = "default"  # Kubernetes namespace of the jobs
-    queue: str = "default"  # Volcano queue
-    service_account: str = ""  # pods' service account (IRSA role for the S3 bucket); empty = the namespace's
-    priority_class: str = ""  # pods' PriorityClass; empty = none
-    zone: str = ""  # the one availability zone every pod is pinned to (required by the kubernetes scheduler)
-    instance_type: str = "p5en.48xlarge"  # node preset: p5.48xlarge | p5en.48xlarge | p6-b200.48xlarge
-    trainer_nodes: int = 1  # trainer pods, one per node; rank 0 runs the Ray head and the controller
-    trainer_capacity: Literal["on_demand", "spot"] = "on_demand"  # the trainer must be on-demand
-    trainer_max_retries: int = 3  # restarts of the whole trainer job after a pod fails or is evicted
-    trainer_grace_s: int = 60  # terminationGracePeriodSeconds of trainer pods
-    rollout_nodes: int = 0  # rollout pods (spot), one per node; 0 = no rollout job
-    rollout_min_nodes: int = 1  # the rollout job starts with this many pods; it grows to rollout_nodes
-    rollout_instance_type: str = ""  # empty = instance_type
-    rollout_capacity: Literal["spot", "on_demand"] = "spot"  # capacity type of the rollout nodes
-    rollout_max_retries: int = 1000  # restarts of one rollout pod (a spot reclaim is one)
-    rollout_grace_s: int = 120  # terminationGracePeriodSeconds of rollout pods (>= 90: two-minute spot notice)
-    gpus_per_node: int = -1  # GPUs per pod; -1 = all of the instance type
-    efa_per_node: int = -1  # EFA devices per pod; -1 = all of the instance type, 0 = none
-    hugepages_mib: int = 5120  # hugepages-2Mi per pod for libfabric, when EFA is requested
-    cpus_per_node: float = 0.0  # CPU request per pod; 0 = the preset's (vCPUs less room for daemons)
-    memory_gib_per_node: int = 0  # memory request per pod; 0 = the preset's
-    tolerations: list[str] = field(default_factory=lambda: ["nvidia.com/gpu:NoSchedule"])  # `key[=value][:effect]`
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for every pod (plain values: no secrets)
-    # environment from Kubernetes Secrets for every pod: NAME -> "secret-name/key" (valueFrom.secretKeyRef);
-    # the values never enter the manifests, the dry run or the config the pods receive (docs/eks.md)
+    name: str = ""
+    """jobs are <name>-trainer and <name>-rollout; empty = run.name"""
+    image: str = ""
+    """container image with moerl installed (required by the kubernetes scheduler)"""
+    namespace: str = "default"
+    """Kubernetes namespace of the jobs"""
+    queue: str = "default"
+    """Volcano queue"""
+    service_account: str = ""
+    """pods' service account (IRSA role for the S3 bucket); empty = the namespace's"""
+    priority_class: str = ""
+    """pods' PriorityClass; empty = none"""
+    zone: str = ""
+    """the one availability zone every pod is pinned to (required by the kubernetes scheduler)"""
+    instance_type: str = "p5en.48xlarge"
+    """node preset: p5.48xlarge | p5en.48xlarge | p6-b200.48xlarge"""
+    trainer_nodes: int = 1
+    """trainer pods, one per node; rank 0 runs the Ray head and the controller"""
+    trainer_capacity: Literal["on_demand", "spot"] = "on_demand"
+    """the trainer must be on-demand"""
+    trainer_max_retries: int = 3
+    """restarts of the whole trainer job after a pod fails or is evicted"""
+    trainer_grace_s: int = 60
+    """terminationGracePeriodSeconds of trainer pods"""
+    rollout_nodes: int = 0
+    """rollout pods (spot), one per node; 0 = no rollout job"""
+    rollout_min_nodes: int = 1
+    """the rollout job starts with this many pods; it grows to rollout_nodes"""
+    rollout_instance_type: str = ""
+    """empty = instance_type"""
+    rollout_capacity: Literal["spot", "on_demand"] = "spot"
+    """capacity type of the rollout nodes"""
+    rollout_max_retries: int = 1000
+    """restarts of one rollout pod (a spot reclaim is one)"""
+    rollout_grace_s: int = 120
+    """terminationGracePeriodSeconds of rollout pods (>= 90: two-minute spot notice)"""
+    gpus_per_node: int = -1
+    """GPUs per pod; -1 = all of the instance type"""
+    efa_per_node: int = -1
+    """EFA devices per pod; -1 = all of the instance type, 0 = none"""
+    hugepages_mib: int = 5120
+    """hugepages-2Mi per pod for libfabric, when EFA is requested"""
+    cpus_per_node: float = 0.0
+    """CPU request per pod; 0 = the preset's (vCPUs less room for daemons)"""
+    memory_gib_per_node: int = 0
+    """memory request per pod; 0 = the preset's"""
+    tolerations: list[str] = field(default_factory=lambda: ["nvidia.com/gpu:NoSchedule"])
+    """`key[=value][:effect]`"""
+    env: dict[str, str] = field(default_factory=dict)
+    """extra environment for every pod (plain values: no secrets)"""
     secret_env: dict[str, str] = field(default_factory=dict)
-    volumes: dict[str, str] = field(default_factory=dict)  # PersistentVolumeClaim name -> mount path
-    ray_port: int = 6379  # Ray head (GCS) port on trainer rank 0
-    head_wait_s: int = 1800  # a rollout pod without a Ray head this long exits (the trainer job is over)
+    """environment from Kubernetes Secrets for every pod: NAME -> "secret-name/key" (valueFrom.secretKeyRef); the
+    values never enter the manifests, the dry run or the config the pods receive (docs/eks.md)
+    """
+    volumes: dict[str, str] = field(default_factory=dict)
+    """PersistentVolumeClaim name -> mount path"""
+    ray_port: int = 6379
+    """Ray head (GCS) port on trainer rank 0"""
+    head_wait_s: int = 1800
+    """a rollout pod without a Ray head this long exits (the trainer job is over)"""
 
     def validate(self) -> None:
         require(self.name == "" or re.fullmatch(r"[a-z]([a-z0-9-]{0,30}[a-z0-9])?", self.name) is not None,
@@ -429,17 +559,30 @@ class LaunchConfig:
 
 @dataclass
 class MoerlConfig:
+    """A whole moerl job: every section below, each a TOML table (`[train]`, `[train.loss]`)."""
+
     run: RunConfig = field(default_factory=RunConfig)
+    """The run's name, directory, seed, device and logging."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy: a Hugging Face Qwen3-MoE checkpoint or a random-init preset, its dtype and MoE routing."""
     ep: EPConfig = field(default_factory=EPConfig)
+    """Expert parallelism of the trainer ranks."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout workers (one engine each): sampling, batching, KV cache, heartbeats, preemption."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The RL loop and the trainer ranks: steps, batches, staleness, parallelism, the warm start, guards."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and how often the run saves (a local path or s3://)."""
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    """How each policy version travels from the trainer to the rollout workers."""
     ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray instance: a local one, or a cluster to join."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts and the reward (a Python class named by its dotted path)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Greedy (or sampled) evaluation on held-out prompts during training."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """`moerl launch`: TorchX apps, and on Kubernetes (EKS) the Volcano jobs of the trainer and the rollout."""
 
     def validate(self) -> None:
         # EP groups tile the trainer ranks: experts split over ep.size ranks, replicated (FSDP-sharded) over the rest
@@ -461,284 +604,11 @@ class MoerlConfig:
 def load_config(path: str | Path | None, overrides: Sequence[str] = (),
                 cls: type[T] = MoerlConfig) -> T:  # type: ignore[assignment]
     """Defaults, then the TOML file at `path` (None: defaults only), then `--dotted.key=value` overrides."""
-    source = "defaults" if path is None else str(path)
-    data = {} if path is None else _read_toml(Path(path))
-    merged = config_to_dict(config_from_dict(data, cls, source=source, validate=False))
-    for item in [overrides] if isinstance(overrides, str) else overrides:
-        _apply_override(merged, cls, item)
-    return config_from_dict(merged, cls, source=source)
+    return config_loader.load_config(path, overrides, cls, MOVED_KEYS)
 
 
-def config_from_dict(data: Mapping[str, Any], cls: type[T], *, source: str = "<dict>",
-                     validate: bool = True) -> T:
+def config_from_dict(data: Mapping[str, Any], cls: type[T] = MoerlConfig, *,  # type: ignore[assignment]
+                     source: str = "<dict>", validate: bool = True) -> T:
     """Build and type-check `cls` from nested mappings; missing keys keep their defaults."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config from {source} must be a table, got {type(data).__name__}")
-    cfg = _build(cls, data, "", _Context(source, cls))
-    if validate:
-        _validate(cfg, "")
-    return cfg
+    return config_loader.config_from_dict(data, cls, source=source, validate=validate, moved=MOVED_KEYS)
 
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """Nested plain dicts/lists/scalars (tuples become lists; None is kept)."""
-    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
-        raise TypeError(f"config_to_dict expects a dataclass instance, got {type(cfg).__name__}")
-    return _to_plain(cfg)
-
-
-def dump_toml(cfg: Any) -> str:
-    """TOML text that `load_config` reads back to an equal config (None values are omitted)."""
-    lines: list[str] = []
-    _write_table(config_to_dict(cfg), [], lines)
-    return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------------ machinery
-class _Context(NamedTuple):
-    source: str  # file path, COMMAND_LINE or "<dict>", for error messages
-    root: type  # the top-level schema, for "did you mean" suggestions
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"invalid TOML in config file {path}: {err}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read config file {path}: {err}") from None
-
-
-def _field_types(cls: Any) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
-
-
-def _is_union(tp: Any) -> bool:
-    return get_origin(tp) in (Union, types.UnionType)
-
-
-def _strip_optional(tp: Any) -> Any:
-    """X for `X | None`, else `tp` itself."""
-    options = [a for a in get_args(tp) if a is not type(None)] if _is_union(tp) else []
-    return options[0] if len(options) == 1 else tp
-
-
-def _all_keys(cls: Any, prefix: str = "") -> Iterator[str]:
-    for name, tp in _field_types(cls).items():
-        yield prefix + name
-        if dataclasses.is_dataclass(inner := _strip_optional(tp)):
-            yield from _all_keys(inner, f"{prefix}{name}.")
-
-
-def _where(ctx: _Context) -> str:
-    return f"on {ctx.source}" if ctx.source == COMMAND_LINE else f"in {ctx.source}"
-
-
-def _moved(key: str, ctx: _Context) -> ConfigError | None:
-    """The error for a key listed in MOVED_KEYS, naming its new place; None for any other key."""
-    if key not in MOVED_KEYS:
-        return None
-    return ConfigError(f"config key {key!r} has moved to {MOVED_KEYS[key]!r} ({_where(ctx)})")
-
-
-def _unknown(key: str, siblings: Iterable[str], prefix: str, ctx: _Context, section: bool) -> ConfigError:
-    """The error for an unknown key, with the closest valid key: same name elsewhere, sibling, any."""
-    everywhere, here = list(_all_keys(ctx.root)), [prefix + name for name in siblings]
-    same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
-    close = difflib.get_close_matches
-    match = same_name or close(key, here, n=1) or close(key, everywhere, n=1)
-    hint = f"did you mean {match[0]!r}?" if match else f"valid keys here: {', '.join(here) or 'none'}"
-    return ConfigError(f"unknown config {'section' if section else 'key'} {key!r} ({_where(ctx)}); {hint}")
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = get_origin(tp), get_args(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if _is_union(tp):
-        return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
-    if dataclasses.is_dataclass(tp):
-        return f"a table ({tp.__name__})"
-    if origin is not None:
-        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
-    return getattr(tp, "__name__", repr(tp))
-
-
-def _wrong_type(key: str, tp: Any, value: Any, ctx: _Context) -> ConfigError:
-    shown = MASK if secret_key(key) else f"{repr(value)[:80]} ({type(value).__name__})"  # never echo a credential
-    return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {shown} from {ctx.source}")
-
-
-def _build(cls: type[T], data: Mapping[str, Any], prefix: str, ctx: _Context) -> T:
-    types_by_name = _field_types(cls)
-    for name, value in data.items():
-        if name not in types_by_name:
-            raise _moved(prefix + str(name), ctx) or _unknown(
-                prefix + str(name), types_by_name, prefix, ctx, isinstance(value, Mapping))
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.init and f.name not in data and f.default is f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"config key {prefix + f.name!r} is required but missing from {ctx.source}")
-    return cls(**{name: _convert(v, types_by_name[name], prefix + name, ctx) for name, v in data.items()})
-
-
-def _convert(value: Any, tp: Any, key: str, ctx: _Context) -> Any:
-    """`value` checked against type `tp` and converted to it (int->float, list->tuple, table->dataclass)."""
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is Any:
-        return value
-    if _is_union(tp):
-        if value is None and type(None) in args:
-            return None
-        if (inner := _strip_optional(tp)) is tp:
-            raise TypeError(f"config key {key!r}: only `X | None` unions are supported, not {tp!r}")
-        return _convert(value, inner, key, ctx)
-    elif origin is Literal:
-        if any(type(value) is type(choice) and value == choice for choice in args):
-            return value
-    elif dataclasses.is_dataclass(tp):
-        if isinstance(value, Mapping):
-            return _build(tp, value, key + ".", ctx)  # type: ignore[arg-type]
-    elif tp in (bool, str):
-        if isinstance(value, tp):
-            return value
-    elif tp in (int, float):  # bool is an int subclass, but never a number here
-        if isinstance(value, (int, float) if tp is float else int) and not isinstance(value, bool):
-            return tp(value)
-    elif origin in (list, tuple) and (origin is list or args[1:] == (Ellipsis,)):
-        if isinstance(value, (list, tuple)):
-            items = [_convert(v, args[0] if args else Any, f"{key}[{i}]", ctx) for i, v in enumerate(value)]
-            return items if origin is list else tuple(items)
-    elif origin is tuple:  # fixed length: tuple[float, float]
-        if isinstance(value, (list, tuple)):
-            if len(value) != len(args):
-                raise ConfigError(f"config key {key!r} expects exactly {len(args)} items ({_type_name(tp)}), "
-                                  f"got {len(value)} from {ctx.source}")
-            return tuple(_convert(v, a, f"{key}[{i}]", ctx) for i, (v, a) in enumerate(zip(value, args)))
-    elif origin is dict:
-        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-            return {k: _convert(v, args[1] if args else Any, f"{key}.{k}", ctx) for k, v in value.items()}
-    else:
-        raise TypeError(f"config key {key!r} has a type the config loader does not support: {tp!r}")
-    raise _wrong_type(key, tp, value, ctx)
-
-
-def _validate(obj: Any, prefix: str) -> None:
-    """Call each dataclass's optional `validate()`, innermost sections first."""
-    for f in dataclasses.fields(obj):
-        if dataclasses.is_dataclass(value := getattr(obj, f.name)):
-            _validate(value, f"{prefix}{f.name}.")
-    if not callable(check := getattr(obj, "validate", None)):
-        return
-    try:
-        check()
-    except CheckFailed as err:
-        try:
-            value = functools.reduce(getattr, err.key.split('.'), obj)
-            got = f", got {redact(repr(redact_config(value)))}"  # a refused launch.env holds the credential itself
-        except AttributeError:
-            got = ""
-        raise ConfigError(f"config key {prefix + err.key!r} {err.message}{got}") from None
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} is invalid: {err}") from err
-
-
-def _convert_cli(raw: str | None, tp: Any, key: str, ctx: _Context) -> Any:
-    """An override value: a TOML literal (`20`, `true`, `[1, 2]`, `"x"`) if it is one, else the string."""
-    if raw is None:  # a bare flag
-        if _strip_optional(tp) is bool or (get_origin(tp) is Literal and any(a is True for a in get_args(tp))):
-            return True
-        raise ConfigError(f"config key {key!r} needs a value on {ctx.source}: --{key}=VALUE")
-    if _is_union(tp) and type(None) in get_args(tp) and raw.strip().lower() in ("none", "null"):
-        return None
-    try:
-        doc = tomllib.loads(f"value = {raw}")
-        parsed = doc["value"] if len(doc) == 1 else raw
-    except tomllib.TOMLDecodeError:
-        parsed = raw
-    try:
-        return _convert(parsed, tp, key, ctx)
-    except ConfigError:
-        if isinstance(parsed, str):
-            raise
-        try:  # e.g. `--run.name=2024` is the string "2024" for a str field
-            return _convert(raw, tp, key, ctx)
-        except ConfigError:
-            pass
-        raise
-
-
-def _apply_override(data: dict[str, Any], cls: type, item: str) -> None:
-    """Set one `--a.b.c=value` override into `data`, the plain-dict form of a `cls` config."""
-    key, has_value, raw = (item[2:] if item.startswith("--") else item).partition("=")
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"malformed override {item!r} on {COMMAND_LINE}; expected --section.key=value")
-    ctx, tp, node, i = _Context(COMMAND_LINE, cls), cls, data, 0
-    while True:
-        target, prefix = _strip_optional(tp), "".join(p + "." for p in parts[:i])
-        if dataclasses.is_dataclass(target):
-            types_by_name = _field_types(target)
-            name = parts[i] if parts[i] in types_by_name else parts[i].replace("-", "_")
-            if name not in types_by_name:
-                raise _moved(prefix + ".".join([name, *parts[i + 1:]]), ctx) or _unknown(
-                    prefix + ".".join(parts[i:]), types_by_name, prefix, ctx, section=False)
-            parts[i], tp, i = name, types_by_name[name], i + 1
-        elif get_origin(target) is dict:  # the rest of the dotted key is one dict key
-            name, tp, i = ".".join(parts[i:]), (get_args(target) or (str, Any))[1], len(parts)
-        else:
-            raise _unknown(".".join(parts), (), "", ctx, section=False)
-        if i == len(parts):
-            node[name] = _to_plain(_convert_cli(raw if has_value else None, tp, ".".join(parts), ctx))
-            return
-        if not isinstance(node.get(name), dict):
-            node[name] = {}
-        node = node[name]
-
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _to_plain(v) for k, v in value.items()}
-    return value
-
-
-_TOML_ESCAPES = {i: f"\\u{i:04x}" for i in [*range(0x20), 0x7F]} | {
-    ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"}
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # float repr is exact and valid TOML, inf and nan included
-    if isinstance(value, str):
-        return f'"{value.translate(_TOML_ESCAPES)}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):  # an inline table, e.g. in a list: task.options.reward = [{ name = "math" }]
-        items = [f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items() if v is not None]
-        return "{ " + ", ".join(items) + " }" if items else "{}"
-    raise TypeError(f"dump_toml cannot write {type(value).__name__} values: {value!r}")
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
-
-
-def _write_table(table: Mapping[str, Any], path: list[str], lines: list[str]) -> None:
-    scalars = {k: v for k, v in table.items() if v is not None and not isinstance(v, Mapping)}
-    tables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
-    if path and (scalars or not tables):  # an empty table still gets its header
-        lines.extend(([""] if lines else []) + ["[" + ".".join(map(_toml_key, path)) + "]"])
-    lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items())
-    for k, v in tables.items():
-        _write_table(v, path + [k], lines)

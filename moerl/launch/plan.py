@@ -18,6 +18,7 @@ from moerl.launch.kubernetes import JobShape, head_address, token_secret
 from moerl.launch.presets import PRESETS, SCHEDULERS, InstanceType
 
 COMPLETE_ON_RANK0 = [{"event": "TaskCompleted", "action": "CompleteJob"}]
+CAPACITY_TYPES = {"on_demand": "ON_DEMAND", "spot": "SPOT"}  # launch.*_capacity -> the EKS node label value
 RESTART_POD = [{"event": "PodEvicted", "action": "RestartTask"}, {"event": "PodFailed", "action": "RestartTask"}]
 
 
@@ -126,7 +127,7 @@ def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
     trainer_job = f"{name}-trainer"
     apps = [Planned(trainer_app(config_b64, name, la.image, la.trainer_nodes, "cluster", res, la.ray_port,
                                 la.trainer_max_retries, la.head_wait_s, dict(la.env), grace_s=la.trainer_grace_s),
-                    JobShape(trainer_job, "ON_DEMAND", grace_s=la.trainer_grace_s, min_available=la.trainer_nodes,
+                    JobShape(trainer_job, CAPACITY_TYPES[la.trainer_capacity], grace_s=la.trainer_grace_s, min_available=la.trainer_nodes,
                              hugepages_mib=la.hugepages_mib if efa else 0, rank0_policies=COMPLETE_ON_RANK0,
                              **common))]
     if la.rollout_nodes:
@@ -137,8 +138,7 @@ def plan(cfg: MoerlConfig, scheduler: str) -> Plan:
                       la.rollout_min_nodes, name, ritype.name, rgpus, refa, la.cpus_per_node or ritype.pod_cpus,
                       la.memory_gib_per_node or ritype.pod_memory_gib, la.rollout_grace_s, la.rollout_max_retries,
                       la.head_wait_s, dict(la.env))
-        capacity = "SPOT" if la.rollout_capacity == "spot" else "ON_DEMAND"
-        apps.append(Planned(app, JobShape(f"{name}-rollout", capacity, grace_s=la.rollout_grace_s,
+        apps.append(Planned(app, JobShape(f"{name}-rollout", CAPACITY_TYPES[la.rollout_capacity], grace_s=la.rollout_grace_s,
                                           min_available=la.rollout_min_nodes, policies=RESTART_POD,
                                           hugepages_mib=la.hugepages_mib if refa else 0, **common)))
     opts = {"namespace": la.namespace, "queue": la.queue}

@@ -26,30 +26,43 @@ def _is_finite_number(value: object) -> bool:
 
 @dataclass
 class LossConfig:
-    # the policy the PPO clip bounds each update against (moerl/train/loss.py): "behaviour" = the rollout's log-probs
-    # (verl's and slime's clip when they do not recompute); "proximal" = the policy at the start of the step, one
-    # no-grad forward per step (AReaL's decoupled PPO; needs train.minibatches >= 2, else its ratio is always 1);
-    # "none" = no clip (truncated-IS policy gradient, the objective before the trust region came)
     trust_region: TrustRegion = "behaviour"
-    clip_eps_low: float = 0.2  # PPO clip: ratio lower bound is 1 - clip_eps_low
-    clip_eps_high: float = 0.28  # PPO clip: ratio upper bound is 1 + clip_eps_high (DAPO clip-higher)
-    # dual clip (Ye et al. 2020, verl's clip_ratio_c): a token of negative advantage contributes at most
-    # clip_ratio_c x |A|, so a ratio far above 1 cannot push its token down without bound; 0 = off, else > 1
+    """the policy the PPO clip bounds each update against (moerl/train/loss.py): "behaviour" = the rollout's log-
+    probs (verl's and slime's clip when they do not recompute); "proximal" = the policy at the start of the step,
+    one no-grad forward per step (AReaL's decoupled PPO; needs train.minibatches >= 2, else its ratio is always
+    1); "none" = no clip (truncated-IS policy gradient, the objective before the trust region came)
+    """
+    clip_eps_low: float = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_eps_low"""
+    clip_eps_high: float = 0.28
+    """PPO clip: ratio upper bound is 1 + clip_eps_high (DAPO clip-higher)"""
     clip_ratio_c: float = 3.0
-    # off-policy correction by the weight w = step-start / behaviour per token: "tis" truncates it at is_cap
-    # (trust_region proximal or none), "mask" drops tokens whose w leaves [is_mask_low, is_cap], "m2po" drops the
-    # tokens of largest (log w)^2 until their mean over the step is <= m2_threshold (M2PO), "none" leaves it out
+    """dual clip (Ye et al. 2020, verl's clip_ratio_c): a token of negative advantage contributes at most
+    clip_ratio_c x |A|, so a ratio far above 1 cannot push its token down without bound; 0 = off, else > 1
+    """
     is_correction: ISCorrection = "none"
-    is_cap: float = 2.0  # TIS truncation cap; upper bound of the band kept by "mask"
-    is_mask_low: float = 0.5  # lower bound of the band kept by "mask"
-    m2_threshold: float = 0.04  # "m2po": the bound on the step's mean (log w)^2 (M2PO's tau)
-    # VCPO: each optimizer update's learning rate times sqrt(ESS) of its tokens' weights w, ESS = (sum w)^2 /
-    # (n sum w^2) in (0, 1]: a step whose few tokens carry most of the weight moves the policy less
+    """off-policy correction by the weight w = step-start / behaviour per token: "tis" truncates it at is_cap
+    (trust_region proximal or none), "mask" drops tokens whose w leaves [is_mask_low, is_cap], "m2po" drops the
+    tokens of largest (log w)^2 until their mean over the step is <= m2_threshold (M2PO), "none" leaves it out
+    """
+    is_cap: float = 2.0
+    """TIS truncation cap; upper bound of the band kept by "mask"."""
+    is_mask_low: float = 0.5
+    """lower bound of the band kept by "mask"."""
+    m2_threshold: float = 0.04
+    """"m2po": the bound on the step's mean (log w)^2 (M2PO's tau)"""
     ess_lr_scaling: bool = False
-    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy; 0 = off
-    aggregation: Aggregation = "token-mean"  # how per-token losses are averaged
-    normalize_adv_std: bool = True  # GRPO: divide group-centred rewards by the group std
-    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
+    """VCPO: each optimizer update's learning rate times sqrt(ESS) of its tokens' weights w, ESS = (sum w)^2 / (n
+    sum w^2) in (0, 1]: a step whose few tokens carry most of the weight moves the policy less
+    """
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the reference policy; 0 = off"""
+    aggregation: Aggregation = "token-mean"
+    """how per-token losses are averaged"""
+    normalize_adv_std: bool = True
+    """GRPO: divide group-centred rewards by the group std"""
+    entropy_coef: float = 0.0
+    """entropy bonus weight; 0 = off"""
 
     def validate(self) -> None:
         """Raise ValueError (moerl.checks.CheckFailed) naming the offending field.
@@ -87,11 +100,16 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4  # AdamW learning rate (the peak, reached after the warmup)
-    weight_decay: float = 0.0  # AdamW decoupled weight decay; 0 = off
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2): decay of the gradient moment estimates
-    grad_clip: float = 1.0  # max global gradient norm; 0 = off (the trainer clips only when > 0)
-    warmup_steps: int = 0  # linear learning-rate warmup over this many optimizer steps; 0 = none
+    lr: float = 1e-4
+    """AdamW learning rate (the peak, reached after the warmup)"""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay; 0 = off"""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2): decay of the gradient moment estimates"""
+    grad_clip: float = 1.0
+    """max global gradient norm; 0 = off (the trainer clips only when > 0)"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup over this many optimizer steps; 0 = none"""
 
     def validate(self) -> None:
         """Raise ValueError (moerl.checks.CheckFailed) naming the offending field (the loader adds the value)."""
