@@ -73,7 +73,7 @@ def test_every_help_answers_without_torch_or_ray() -> None:
                          text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     for section in ("run", "model", "rollout", "train.loss", "train.optim", "checkpoint", "task", "launch"):
-        assert f"\n  {section} " in out.stdout, section
+        assert f"\n  [{section}]\n" in out.stdout, section
     assert "--resume" in out.stdout and "exit status" in out.stdout and "143" in out.stdout
 
 
