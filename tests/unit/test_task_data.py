@@ -223,29 +223,31 @@ def test_a_weighted_reward_list_round_trips_through_moerl_config(tmp_path):
                        "chat_template_kwargs": {"enable_thinking": False}}
 
 
-def _readme_blocks(lang: str) -> list[str]:
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def _doc_blocks(doc: str, lang: str) -> list[str]:
+    text = (Path(__file__).resolve().parents[2] / doc).read_text()
     return [b.split("\n", 1)[1] for b in text.split("```")[1::2] if b.startswith(lang + "\n")]
 
 
-def test_the_readme_examples_run_as_written(tmp_path, chat_dir, reference, monkeypatch):
-    """README: the minimal example; the Parquet example written, then read through the README's config, with a
-    local chat tokenizer standing in for Qwen's (no download) and the tiny random model (model.path empty)."""
+@pytest.mark.parametrize("doc", ["docs/tasks.md", "README.md"])
+def test_the_docs_examples_run_as_written(doc, tmp_path, chat_dir, reference, monkeypatch):
+    """docs/architecture.md's policy example; docs/tasks.md's Parquet example written, then read through its config
+    (and through the README's shorter one), with a local chat tokenizer standing in for Qwen's (no download) and the
+    tiny random model (model.path empty)."""
     from moerl.config import load_config
 
     monkeypatch.chdir(tmp_path)
-    blocks = _readme_blocks("python")
-    minimal, parquet = blocks[0], next(b for b in blocks if "pq.write_table" in b)
-    exec(compile(minimal, "README minimal example", "exec"), {})
+    exec(compile(_doc_blocks("docs/architecture.md", "python")[0], "the policy example", "exec"), {})
+    parquet = next(b for b in _doc_blocks("docs/tasks.md", "python") if "pq.write_table" in b)
     (tmp_path / "data").mkdir()
-    exec(compile(parquet, "README parquet example", "exec"), {})
-    toml = _readme_blocks("toml")[0].replace('"models/Qwen3-30B-A3B"', f'"{chat_dir}"')
+    exec(compile(parquet, "the Parquet example", "exec"), {})
+    toml = _doc_blocks(doc, "toml")[0].replace('"models/Qwen3-30B-A3B"', f'"{chat_dir}"')
     toml = toml.replace(f'path = "{chat_dir}"', 'path = ""')  # [model]: the random-init tiny model
     (tmp_path / "my_run.toml").write_text(toml)
     cfg = load_config(str(tmp_path / "my_run.toml"), [])
     task = load_task(cfg.task.name, dict(cfg.task.options), seed=0)
     prompt = task.prompt_at(0)
-    messages = [{"role": "system", "content": "Put your final answer in \\boxed{}."},
-                {"role": "user", "content": "What is 7 * 6?"}]
+    messages = [{"role": "system", "content": "Put your final answer in \\boxed{}."}] * (doc == "docs/tasks.md") + [
+        {"role": "user", "content": "What is 7 * 6?"}]
     assert prompt.answer == "42"
-    assert prompt.prompt_token_ids == reference(messages, enable_thinking=False)
+    kwargs = {"enable_thinking": False} if doc == "docs/tasks.md" else {}  # the README's shorter config leaves it out
+    assert prompt.prompt_token_ids == reference(messages, **kwargs)
