@@ -15,8 +15,7 @@ import time
 
 import torch
 
-from moerl.bench.common import time_fn
-from moerl.bench.moe_decode import weight_copies
+from moerl.bench.common import time_fn, weight_copies
 from moerl.kernels.fused_moe_configs import (M_BUCKETS, SHARED_MEMORY_BYTES, KernelConfig, fused_moe_configs,
                                              m_bucket, shared_memory)
 
