@@ -74,7 +74,7 @@ def resolve_device(cfg: MoerlConfig) -> str:
 
 
 def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
-    from moerl.actors.rollout_worker import WorkerSpec
+    from moerl.actors.worker_spec import WorkerSpec
     from moerl.actors.trainer_actor import TrainerSpec
 
     device = resolve_device(cfg)

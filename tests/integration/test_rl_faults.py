@@ -505,7 +505,7 @@ class _IMDS(http.server.ThreadingHTTPServer):
 
 def tiny_worker_spec(**changes):
     from moerl.model import tiny_config
-    from moerl.actors.rollout_worker import WorkerSpec
+    from moerl.actors.worker_spec import WorkerSpec
     from moerl.rollout import EngineConfig, SamplingParams
 
     task = ArithmeticTask()
@@ -567,7 +567,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers):
-    from moerl.actors.rollout_worker import WorkerSpec
+    from moerl.actors.worker_spec import WorkerSpec
 
     assert WorkerSpec.imds_interval_s == 5.0  # the spot notice is polled every 5 s unless a spec says otherwise
     make, exited, exits = in_process_workers
