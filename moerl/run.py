@@ -476,10 +476,3 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
             signals.restore()
             if owns_lock:
                 prepared.release()
-
-
-def main(argv: list[str]) -> int:
-    """`moerl train` (moerl/train_cli.py: its arguments, exit codes and the lines a user sees)."""
-    from moerl.train_cli import main as train_cli_main
-
-    return train_cli_main(argv)

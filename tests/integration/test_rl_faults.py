@@ -715,7 +715,7 @@ def _trainer_pids() -> list[int]:
 def test_trainer_death_names_the_rank_and_how_to_resume(tmp_path, ray_env, capsys):
     """A trainer rank killed mid-run ends the run with one line naming the rank and the checkpoint to resume
     from (it used to be a raw ActorDiedError)."""
-    from moerl.run import main
+    from moerl.train_cli import main
 
     overrides = [f"--run.dir={tmp_path}", "--train.sft_steps=0", "--train.steps=200", "--train.batch_groups=2",
                  f"--rollout.group_size={GROUP}", "--rollout.num_workers=1", "--checkpoint.every=2"]
