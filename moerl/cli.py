@@ -12,65 +12,16 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import sys
 import textwrap
+
+from moerl.train_args import config_overrides, config_sections, parse_train_args
 
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
            "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint", "moe-decode": "moerl.bench.moe_decode",
            "train": "moerl.bench.train", "loop": "moerl.bench.loop", "learn": "moerl.bench.learn",
            "logprobs": "moerl.bench.logprobs"}
-
-
-EXIT_CODES = ("exit status: 0 the run finished; 1 it failed (the error line says how to resume); 2 a bad config "
-              "or input, found before anything started; 130 / 143 stopped by Ctrl-C / SIGTERM after saving a "
-              "checkpoint (the last line says how to resume)")
-
-
-def config_sections() -> str:
-    """Every config key with its default and description (moerl/config_docs.py: the fields' docstrings), for --help."""
-    from moerl.config import MoerlConfig
-    from moerl.config_docs import help_text
-
-    return help_text(MoerlConfig)
-
-
-def _overrides(parser: argparse.ArgumentParser, extra: list[str]) -> list[str]:
-    bad = [a for a in extra if not (a.startswith("--") and "." in a.partition("=")[0])]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key=value)")
-    return extra
-
-
-def train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="moerl train", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="moerl train CONFIG.toml [--resume | --resume-step N] [--resume-override KEY ...] "
-              "[--section.key=value ...]",
-        description=textwrap.fill(
-            "Run the asynchronous RL job of CONFIG (a local Ray unless ray.address is set). Inputs are checked "
-            "before Ray starts; a run directory that holds a run is never overwritten (--resume continues it). "
-            "SIGTERM or Ctrl-C saves a checkpoint and stops; a second Ctrl-C aborts.", 112),
-        epilog=config_sections() + "\n\n" + textwrap.fill(EXIT_CODES, 112))
-    parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
-    parser.add_argument("--resume-step", type=int, metavar="N", help="continue from committed checkpoint step N")
-    parser.add_argument("--resume-override", action="append", default=[], metavar="KEY",
-                        help="with --resume: accept a changed config KEY (or section) that changes the experiment "
-                        "(model, task, group size, loss, optimizer, ...); repeatable")
-    parser.add_argument("--resume-if-saved", action="store_true",
-                        help="continue from the newest committed checkpoint when there is one, else start the run "
-                        "(what a restarted job wants: `moerl launch`'s trainer passes it)")
-    return parser
-
-
-def parse_train_args(argv: list[str]) -> argparse.Namespace:
-    """`moerl train`'s arguments: config, resume, resume_step and the --section.key=value overrides."""
-    parser = train_parser()
-    args, extra = parser.parse_known_args(argv)
-    args.overrides = _overrides(parser, extra)
-    return args
 
 
 def _bench(argv: list[str]) -> int:
@@ -116,7 +67,7 @@ def _config(argv: list[str]) -> int:
     from moerl.redact import redact, redact_config
 
     try:
-        cfg = load_config(args.config, _overrides(parser, extra))
+        cfg = load_config(args.config, config_overrides(parser, extra))
     except ConfigError as e:
         print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
@@ -215,7 +166,7 @@ def _export_warnings(store, step: int) -> list[str]:
 
 def _train(argv: list[str]) -> int:
     parse_train_args(argv)  # --help and argument errors answer here, before torch and Ray load
-    from moerl.run import main as train_main
+    from moerl.train_cli import main as train_main
 
     return train_main(argv)
 

@@ -74,7 +74,7 @@ def resolve_device(cfg: MoerlConfig) -> str:
 
 
 def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
-    from moerl.actors.rollout_worker import WorkerSpec
+    from moerl.actors.worker_spec import WorkerSpec
     from moerl.actors.trainer_actor import TrainerSpec
 
     device = resolve_device(cfg)
@@ -476,10 +476,3 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
             signals.restore()
             if owns_lock:
                 prepared.release()
-
-
-def main(argv: list[str]) -> int:
-    """`moerl train` (moerl/train_cli.py: its arguments, exit codes and the lines a user sees)."""
-    from moerl.train_cli import main as train_cli_main
-
-    return train_cli_main(argv)

@@ -20,12 +20,12 @@ from moerl import preflight, run
 from moerl.config import MoerlConfig
 from moerl.preflight import one_line
 from moerl.redact import redact
+from moerl.train_args import parse_train_args
 
 
 def main(argv: list[str]) -> int:
     """`moerl train`: exit 0 when the run finished; 1 when it failed; 2 when the config or an input is wrong
     (found before anything started); 128 + the signal (143 SIGTERM, 130 Ctrl-C) when stopped: saved, resumable."""
-    from moerl.cli import parse_train_args
     from moerl.config import ConfigError, load_config
 
     args = parse_train_args(argv)

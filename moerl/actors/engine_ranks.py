@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moerl.rendezvous import connect_store, host_store
+from moerl.actors.worker_spec import rollout_model
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
+from moerl.rendezvous import connect_store, host_store
 from moerl.rollout.engine_group import EngineGroup
 from moerl.rollout.group_leader import GroupLeader, follow
 
@@ -67,8 +68,6 @@ def rank_engine(spec, rank: int, size: int, store: dist.Store) -> EngineGroup:
     else:
         model = build_model(MoEModelConfig.from_hf_dict(spec.arch), dtype=dtype, device=device, seed=spec.seed,
                             expert_parallel_group=group, dispatcher=DISPATCHER)
-    from moerl.actors.rollout_worker import rollout_model
-
     return EngineGroup(rollout_model(model, spec), spec.engine, group=group, version=-1)
 
 

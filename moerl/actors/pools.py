@@ -16,8 +16,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from moerl.actors.respawn import RespawnPolicy
-from moerl.actors.rollout_worker import RolloutWorker, WorkerSpec
+from moerl.actors.rollout_worker import RolloutWorker
 from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
+from moerl.actors.worker_spec import WorkerSpec
 from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
 from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask

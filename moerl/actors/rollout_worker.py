@@ -17,65 +17,34 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moerl.actors import weight_sync
+from moerl.actors.engine_ranks import start_engine_group
 from moerl.actors.engine_thread import EngineThread
 from moerl.actors.eval_runner import EvalRunner
+from moerl.actors.worker_spec import WorkerSpec, rollout_model
 from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.model import build_model, load_pretrained
 from moerl.model.config import MoEModelConfig
-from moerl.rollout import Engine, EngineConfig, SamplingParams
+from moerl.rollout import Engine
 from moerl.rollout.group_leader import GroupLeader
 from moerl.rollout.memory import plan_for_device
 from moerl.tasks.base import load_task
 from moerl.tasks.scoring import RewardScorer
 
 
-@dataclass
-class WorkerSpec:
-    """Everything a worker needs to build itself (picklable; sent once at actor creation)."""
-
-    arch: dict  # MoEModelConfig fields (HF config dict)
-    model_path: str  # HF checkpoint dir to start from; "" = random init (weights arrive before any work)
-    dtype: str
-    device: str
-    engine: EngineConfig
-    sampling: SamplingParams
-    task_name: str
-    task_options: dict
-    seed: int
-    threads: int = 1
-    grace_s: float = 90.0
-    imds_url: str = ""  # e.g. http://169.254.169.254/latest/meta-data/spot/instance-action; "" = off
-    imds_interval_s: float = 5.0
-    group_timeout_s: float = 600.0
-    ep_size: int = 1  # ranks of the engine: > 1 runs an engine group (moerl/actors/engine_ranks.py)
-    reward_timeout_s: float = 60.0  # a reward past this fails its sample (task.reward_timeout_s)
-    expert_bias: bool = False  # choose experts with the router's expert bias, as the trainer does (it arrives with the weights)
-
-
 def _build_engine(spec: WorkerSpec, arch: MoEModelConfig, dtype: torch.dtype) -> Engine | GroupLeader:
     if spec.ep_size > 1:
-        from moerl.actors.engine_ranks import start_engine_group
-
         return start_engine_group(spec)
     if spec.model_path:
         model = load_pretrained(spec.model_path, dtype=dtype, device=spec.device)
     else:
         model = build_model(arch, dtype=dtype, device=spec.device, seed=spec.seed)
     return Engine(rollout_model(model, spec), spec.engine, version=-1)
-
-
-def rollout_model(model, spec: WorkerSpec):
-    """The model as the rollout runs it: routing as the trainer's (the expert bias on when the trainer uses it)."""
-    if spec.expert_bias:
-        model.enable_expert_bias()
-    return model
 
 
 def sample_seed(run_seed: int, task_id: str, index: int) -> int:

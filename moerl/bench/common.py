@@ -62,6 +62,16 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float
     return 2 * nbytes / seconds
 
 
+# A timed MoE block at decode sizes cycles through copies of its weights with this many bytes touched in all, so
+# none is still in L2 (50 MB on an H100/H200) when its turn comes: a decode step runs every layer once.
+L2_DEFEAT_BYTES = 256 << 20
+
+
+def weight_copies(E: int, D: int, I: int, K: int, element_size: int) -> int:
+    """Layers of distinct weights so that what T=1 touches (K experts) over all of them exceeds L2 five times."""
+    return max(2, min(32, math.ceil(L2_DEFEAT_BYTES / (min(K, E) * 3 * D * I * element_size))))
+
+
 @dataclass
 class Row:
     metric: str

@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from moerl.bench.common import Row, device_description, format_table, measure_copy_bandwidth, time_fn
+from moerl.bench.common import (Row, device_description, format_table, measure_copy_bandwidth, time_fn,
+                                weight_copies)
 from moerl.kernels.fused_moe import fused_moe_reference
 from moerl.model.config import MoEModelConfig
 from moerl.model.moe import SparseMoEBlock
@@ -31,7 +32,6 @@ SHAPES = {"30b": (128, 2048, 768), "0.9b": (64, 1024, 256)}  # E, D, I (top-8 bo
 CPU_SHAPE = (8, 64, 32)
 TOP_K = 8
 PEER_IMPLS = ("grouped_mm", "batched_mm", "eager")
-L2_DEFEAT_BYTES = 256 << 20
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -50,11 +50,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def model_config(E: int, D: int, I: int, K: int = TOP_K) -> MoEModelConfig:
     return MoEModelConfig(hidden_size=D, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I,
                           norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=4, head_dim=D // 4)
-
-
-def weight_copies(E: int, D: int, I: int, K: int, element_size: int) -> int:
-    """Layers of distinct weights so that what T=1 touches (K experts) over all of them exceeds L2 five times."""
-    return max(2, min(32, math.ceil(L2_DEFEAT_BYTES / (min(K, E) * 3 * D * I * element_size))))
 
 
 def build_blocks(cfg: MoEModelConfig, L: int, device: torch.device, dtype: torch.dtype) -> list[SparseMoEBlock]:

@@ -1,5 +1,5 @@
 """`moerl bench moe-decode --tune`: a compact sweep of the fused MoE kernels' block configs per (shape, M bucket),
-printed as the literal of moerl/kernels/fused_moe.py's `_CONFIGS`.
+printed as the literal of moerl/kernels/fused_moe_configs.py's `_CONFIGS`.
 
 Per bucket (one representative T) and row-block size BLOCK_M, stage 1 times each kernel's tiles (BLOCK_N x
 BLOCK_K) at 4 warps and 3 stages; the BLOCK_M with the least gate_up + down time wins (one alignment serves
@@ -15,10 +15,9 @@ import time
 
 import torch
 
-from moerl.bench.common import time_fn
-from moerl.bench.moe_decode import weight_copies
-from moerl.kernels.fused_moe import (M_BUCKETS, SHARED_MEMORY_BYTES, KernelConfig, fused_moe_configs, m_bucket,
-                                     shared_memory)
+from moerl.bench.common import time_fn, weight_copies
+from moerl.kernels.fused_moe_configs import (M_BUCKETS, SHARED_MEMORY_BYTES, KernelConfig, fused_moe_configs,
+                                             m_bucket, shared_memory)
 
 BUCKET_TOKENS = {"1": 1, "2-16": 16, "17-64": 64, "65-256": 256, "257+": 512}
 BLOCK_MS = {"1": (16,), "2-16": (16,), "17-64": (16, 32), "65-256": (16, 32, 64), "257+": (32, 64, 128)}
@@ -147,5 +146,5 @@ def tune(shapes: dict[str, tuple[int, int, int]], K: int, device: torch.device) 
         literal.append("    },")
         del timer
         torch.cuda.empty_cache()
-    print("\n# moerl/kernels/fused_moe.py _CONFIGS entries (paste over the shapes'):")
+    print("\n# moerl/kernels/fused_moe_configs.py _CONFIGS entries (paste over the shapes'):")
     print("\n".join(literal))

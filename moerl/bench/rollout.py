@@ -25,56 +25,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from moerl.bench import step_split
 from moerl.bench.common import (Row, device_description, format_table, measure_copy_bandwidth, measure_matmul_peak,
                                 synchronize)
-from moerl.model import MoECausalLM, MoEModelConfig, build_model, tiny_config
+from moerl.bench.rollout_ep import main_ep
+from moerl.bench.rollout_workload import PRESETS, parameter_count, run_engine, sampling_params, size_label
+from moerl.model import MoEModelConfig, build_model
 from moerl.model.layers import RMSNorm
-from moerl.rollout import Engine, EngineConfig, SamplingParams
-
-
-def bench_model_config() -> MoEModelConfig:
-    """About 1B parameters: hidden 1024, 16 layers, 64 experts top-8, expert intermediate 256."""
-    return MoEModelConfig(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                          num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
-                          num_experts_per_tok=8, moe_intermediate_size=256, norm_topk_prob=True,
-                          max_position_embeddings=4096)
-
-
-def qwen3_30b_a3b_config() -> MoEModelConfig:
-    """Qwen3-30B-A3B's shape (its config.json): 48 layers, hidden 2048, 32 query / 4 key-value heads of 128,
-    128 experts top-8 of intermediate 768, vocabulary 151,936; 30.5B parameters, 3.3B active per token."""
-    return MoEModelConfig(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                          rope_theta=1_000_000.0, max_position_embeddings=40_960)
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A model shape and the workload run on it."""
-
-    config: Callable[[], MoEModelConfig]
-    requests: int
-    prompt_len: int
-    new_tokens: int
-    temperature: float  # 0 = greedy (lets the output be compared with transformers')
-    dtype: torch.dtype
-    peer: bool  # run transformers generate by default
-    note: str = ""
-
-
-PRESETS = {
-    "tiny": Preset(tiny_config, 16, 16, 32, 0.0, torch.float32, True, "the demo model"),
-    "0.9b": Preset(bench_model_config, 256, 128, 256, 0.0, torch.bfloat16, True),
-    "qwen3-30b-a3b": Preset(qwen3_30b_a3b_config, 256, 128, 256, 1.0, torch.bfloat16, False,
-                            "transformers not run by default: a second copy of the 61 GB of weights does not fit"),
-}
+from moerl.rollout import Engine, EngineConfig
 
 
 def random_model(config: MoEModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, *,
@@ -95,13 +56,6 @@ def random_model(config: MoEModelConfig, dtype: torch.dtype, device: torch.devic
                 else:
                     param.normal_(0.0, config.initializer_range, generator=gen)
     return model
-
-
-def parameter_count(config: MoEModelConfig) -> int:
-    """Parameters of the model built from `config`, counted on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        model = MoECausalLM(config)
-    return sum(p.numel() for p in model.parameters())
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -125,42 +79,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _params(n: int, new_tokens: int, temperature: float) -> list[SamplingParams]:
-    """One seed per request: sampled runs are reproducible and every request draws its own noise."""
-    return [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i) for i in range(n)]
-
-
-def _run_engine(engine: Engine, model, prompts, new_tokens: int, temperature: float) -> dict:
-    params = _params(len(prompts), new_tokens, temperature)
-    device = next(model.parameters()).device
-    synchronize(device)
-    t0 = time.perf_counter()
-    for p, sp in zip(prompts, params):
-        engine.submit(p, sp)
-    first: dict[str, float] = {}
-    tokens: dict[str, list[int]] = {}
-    generated = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            now = time.perf_counter()
-            if out.new_token_ids and out.request_id not in first:
-                first[out.request_id] = now - t0
-            generated += len(out.new_token_ids)
-            if out.completion is not None:
-                tokens[out.request_id] = out.completion.token_ids
-    total = time.perf_counter() - t0
-    all_first = max(first.values())
-    return {"total_s": total, "ttft_s": sum(first.values()) / len(first), "all_first_s": all_first,
-            "decode_tok_s": (generated - len(prompts)) / (total - all_first), "generated": generated,
-            "decode_steps": engine.stats["decode_steps"],
-            "tokens": [tokens[k] for k in sorted(tokens, key=lambda r: int(r.split("-")[1]))],
-            "graphs": engine.graphs is not None and engine.graphs.disabled_reason is None}
-
-
 def _profile_decode(engine: Engine, prompts, device, temperature: float) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    for p, sp in zip(prompts, _params(len(prompts), 64, temperature)):
+    for p, sp in zip(prompts, sampling_params(len(prompts), 64, temperature)):
         engine.submit(p, sp)
     for _ in range(3):
         engine.step()  # prefill, then steady decode
@@ -261,10 +183,6 @@ def prefill_flops(config: MoEModelConfig, prompt_len: int) -> tuple[float, float
     return float(flops), float(active)
 
 
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
-
-
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -274,8 +192,6 @@ def _device(name: str) -> torch.device:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(argv or []))
     if args.ep_size > 1:
-        from moerl.bench.rollout_ep import main_ep
-
         return main_ep(args)
     device = _device(args.device)
     gpu = device.type == "cuda"
@@ -285,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     T = preset.temperature if args.temperature is None else args.temperature
     config = preset.config()
     dtype = preset.dtype if gpu else torch.float32
-    print(f"rollout [{name}]: building a random-init {_size(parameter_count(config))}-parameter MoE "
+    print(f"rollout [{name}]: building a random-init {size_label(parameter_count(config))}-parameter MoE "
           f"({config.num_hidden_layers} layers, {config.num_experts} experts top-{config.num_experts_per_tok}) "
           f"in {dtype} on {device_description(device)}", flush=True)
     try:
@@ -301,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                                             prefix_caching=False))
         print(f"{R} requests x {P}-token prompts x {N} new tokens, temperature {T}; warming up "
               f"(compiles, captures the {R}-row decode graph)", flush=True)
-        _run_engine(engine, model, prompts, 4, T)  # Triton compiles; the graph of the timed run's batch captured
-        ours = _run_engine(engine, model, prompts, N, T)
+        run_engine(engine, model, prompts, 4, T)  # Triton compiles; the graph of the timed run's batch captured
+        ours = run_engine(engine, model, prompts, N, T)
         if args.profile:
             _profile_decode(engine, prompts, device, T)
         split = None if args.no_split else _measure_split(engine, prompts, N, T)
@@ -364,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         peak_floor_s = (weight_bytes + kv_bytes) / peak_bw
         print(f"at the datasheet {peak_bw / 1e12:.1f} TB/s: floor {R / peak_floor_s:,.0f} tok/s "
               f"({peak_floor_s * 1e3:.3f} ms/step); ours is {peak_floor_s / step_s * 100:.1f}% of it")
-    print(f"prefill floor: {R} x {P} prompt tokens x {prefill / P / 1e9:.3g} GFLOP/token (2 x {_size(active)} "
+    print(f"prefill floor: {R} x {P} prompt tokens x {prefill / P / 1e9:.3g} GFLOP/token (2 x {size_label(active)} "
           f"active parameters, causal attention, lm_head at the last position) = {R * prefill / 1e12:.3g} TFLOP over "
           f"the measured matmul peak {R * prefill / prefill_floor_s / 1e12:.3g} TFLOP/s: "
           f"{prefill_floor_s * 1e3:.3g} ms; "

@@ -16,7 +16,6 @@ token on any rank. Random weights are drawn by `build_model` (the same on every 
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from moerl.bench.common import Row, device_description, format_table, synchronize
 from moerl.bench.ranks import init_rank, spawn_ranks
+from moerl.bench.rollout_workload import PRESETS, parameter_count, run_engine, size_label
 from moerl.model import build_model
 from moerl.rollout import Engine, EngineConfig, EngineGroup, SamplingParams
 
@@ -58,8 +58,6 @@ def run_rank(rank: int, world: int, port: int | None, args) -> str | None:
 
 def bench_rank(rank: int, world: int, device: torch.device, args) -> str | None:
     """One rank's part (the group already formed); rank 0 returns the report."""
-    from moerl.bench.rollout import PRESETS, _run_engine, _size, parameter_count
-
     name = args.preset or ("0.9b" if device.type == "cuda" else "tiny")
     preset = PRESETS[name]
     R, P = args.requests or preset.requests, args.prompt_len or preset.prompt_len
@@ -74,8 +72,8 @@ def bench_rank(rank: int, world: int, device: torch.device, args) -> str | None:
     if rank == 0 and args.peer != "none":  # one engine, every request, before the group's model exists
         model = build_model(config, dtype=dtype, device=device, seed=0)
         engine = Engine(model, EngineConfig(max_batch_size=R, cuda_graphs=not args.no_graphs, **engine_config))
-        _run_engine(engine, model, prompts, 4, T)  # warm-up
-        peer = _run_engine(engine, model, prompts, N, T)
+        run_engine(engine, model, prompts, 4, T)  # warm-up
+        peer = run_engine(engine, model, prompts, N, T)
         del engine, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -92,7 +90,7 @@ def bench_rank(rank: int, world: int, device: torch.device, args) -> str | None:
     dist.gather_object(ours, gathered, dst=0)
     if rank != 0:
         return None
-    return _report(name, dtype, device, world, R, P, N, T, gathered, peer, _size(parameter_count(config)))
+    return _report(name, dtype, device, world, R, P, N, T, gathered, peer, size_label(parameter_count(config)))
 
 
 def _run_group(group: EngineGroup, prompts, new_tokens: int, temperature: float, device) -> dict:
@@ -133,9 +131,3 @@ def _report(name, dtype, device, world, R, P, N, T, ranks: list[dict], peer: dic
     tail = (f"per rank: requests {[r['requests'] for r in ranks]}, empty forwards "
             f"{[r['empty_forwards'] for r in ranks]} (over about {steps} decode steps, warm-up included)")
     return "\n".join([head, format_table("", rows, peer_name="one engine"), tail])
-
-
-if __name__ == "__main__":
-    from moerl.bench.rollout import _parse
-
-    sys.exit(main_ep(_parse(sys.argv[1:])))

@@ -6,14 +6,10 @@ from typing import Literal
 
 import torch.distributed as dist
 
-from moerl.ep.dispatcher import Dispatcher, LocalDispatcher
+from moerl.ep.dispatcher import BackendUnavailable, Dispatcher, LocalDispatcher
 
 BackendName = Literal["auto", "local", "all_to_all", "symm_mem"]
 BACKENDS = ("auto", "local", "all_to_all", "symm_mem")
-
-
-class BackendUnavailable(RuntimeError):
-    """The dispatcher backend asked for cannot run here; the message says why and what to use."""
 
 
 def auto_backend(world_size: int) -> str:

@@ -23,6 +23,10 @@ import torch
 from moerl.ep.permute import combine_weighted, expand_tokens, sort_by_expert
 
 
+class BackendUnavailable(RuntimeError):
+    """The dispatcher backend asked for cannot run here; the message says why and what to use."""
+
+
 class Dispatcher(ABC):
     """One contract for every backend; rank r holds experts [r*E/P, (r+1)*E/P)."""
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moerl.ep.dispatcher import Dispatcher, weighted_sum_over_slots
+from moerl.ep.dispatcher import BackendUnavailable, Dispatcher, weighted_sum_over_slots
 from moerl.ep.permute import expand_tokens, sort_by_expert
 
 MAX_RANKS = 16  # all_to_all_vdev_2d_offset: world_size <= NUM_TILES (512 / 32)
@@ -242,8 +242,6 @@ class SymmMemDispatcher(Dispatcher):
     def __init__(self, num_experts: int, group: dist.ProcessGroup, max_tokens: int = 0) -> None:
         super().__init__(num_experts, dist.get_rank(group), dist.get_world_size(group))
         if self.world_size > MAX_RANKS or self.num_local_experts > MAX_LOCAL_EXPERTS:
-            from moerl.ep import BackendUnavailable
-
             raise BackendUnavailable(
                 f"dispatcher 'symm_mem' supports at most {MAX_RANKS} ranks and {MAX_LOCAL_EXPERTS} experts per "
                 f"rank, got {self.world_size} ranks x {self.num_local_experts}; use 'all_to_all' instead"

@@ -1,4 +1,5 @@
-"""Triton kernels of the fused MoE decode path (moerl/kernels/fused_moe.py holds the references and the configs).
+"""Triton kernels of the fused MoE decode path (fused_moe.py holds the references, fused_moe_configs.py the
+configs).
 
 Shape legend: T tokens, K slots per token, M = T*K (token, slot) pairs, E experts, D hidden, I expert
 intermediate, C alignment chunks, B row blocks of BLOCK_M aligned rows, S = B*BLOCK_M.
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerl.kernels.fused_moe import KernelConfig, max_row_blocks
+from moerl.kernels.fused_moe_configs import KernelConfig, max_row_blocks
 from moerl.kernels.triton_moe import gather_weighted_sum
 
 _ALIGN_CHUNK = 64  # pairs per alignment program: its [CHUNK, E] one-hot stays in registers

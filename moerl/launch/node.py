@@ -192,7 +192,7 @@ def _split(head: str, default_port: int) -> tuple[str, int]:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from moerl.run import main as train_main
+    from moerl.train_cli import main as train_main
 
     return train_main([config_path(a.config), *a.overrides])
 
@@ -235,7 +235,7 @@ def cmd_trainer(a: argparse.Namespace) -> int:
         if stop.is_set():  # SIGTERM while the nodes gathered: nothing trained, nothing to save
             _log("SIGTERM before the run started")
             return STOPPED_BY_SIGTERM
-        from moerl.run import main as train_main
+        from moerl.train_cli import main as train_main
 
         # --resume-if-saved: the trainer job restarts as a whole (launch.trainer_max_retries) and continues from
         # its newest checkpoint; its first start begins the run.

@@ -33,17 +33,17 @@ tests check. An engine group (expert parallelism) never overlaps: its ranks must
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from moerl.rollout.decode_graphs import DecodeBatch, HostStaging
+from moerl.model.transformer import MoECausalLM
+from moerl.rollout.decode_graphs import DecodeBatch, DecodeGraphs, HostStaging
+from moerl.rollout.engine_config import EngineConfig
+from moerl.rollout.kv_cache import PagedKVCache
 from moerl.rollout.sampling import sampling_hints
 from moerl.rollout.types import StepOutput
-
-if TYPE_CHECKING:
-    from moerl.rollout.engine import Engine
 
 
 class HostCopy:
@@ -111,11 +111,36 @@ class DecodePlan:
         return [r for r in self.rows if r.finish_reason is None]
 
 
+class DecodeHost(Protocol):
+    """What the pipeline reads and calls on the engine that owns it (engine.py's `Engine`, which builds it with
+    itself): named here by what is used, so that engine.py imports this module and never the reverse."""
+
+    config: EngineConfig
+    device: torch.device
+    model: MoECausalLM
+    cache: PagedKVCache
+    graphs: DecodeGraphs | None
+    running: dict  # request id -> request, in admission order
+    steps: int
+    version: int
+    stats: dict[str, int]
+
+    def decode_inputs(self, source: list | DecodePlan, batch: DecodeBatch) -> None: ...
+
+    def decode_forward(self, batch: DecodeBatch, kv_len: int, hints: dict | None = None): ...
+
+    # the engine's own bookkeeping, which a decode step takes part in
+    def _make_room(self, reqs: list) -> list: ...
+
+    def _append(self, req, token: int, logprob: float, outputs: dict[str, StepOutput],
+                version: int | None = None) -> None: ...
+
+
 class DecodePipeline:
     """The engine's decode phase: `decode_batch` and `run_decode` (Engine's phases), plus the hooks the engine
     calls where the pipeline must let go of a speculative step (`drain`, `forget`, `drop`)."""
 
-    def __init__(self, engine: Engine, overlap: bool) -> None:
+    def __init__(self, engine: DecodeHost, overlap: bool) -> None:
         self.engine, self.overlap = engine, overlap
         config, cache, model = engine.config, engine.cache, engine.model
         self.plan: DecodePlan | None = None

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from moerl.model.moe import is_expert_param
 from moerl.model.transformer import MoECausalLM
-from moerl.rollout.engine import Engine, EngineConfig, run_to_completion
+from moerl.rollout.engine import Engine, run_to_completion
+from moerl.rollout.engine_config import EngineConfig
 from moerl.rollout.sampling import SamplingParams
 from moerl.rollout.types import Completion, StepOutput
 

@@ -37,7 +37,8 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import moerl.rollout.engine as engine_module  # noqa: E402
 from moerl.bench.common import measure_copy_bandwidth, synchronize  # noqa: E402
-from moerl.bench.rollout import PRESETS, decode_step_bytes, parameter_count, random_model  # noqa: E402
+from moerl.bench.rollout import decode_step_bytes, random_model  # noqa: E402
+from moerl.bench.rollout_workload import PRESETS, parameter_count  # noqa: E402
 from moerl.model.layers import Attention, RMSNorm  # noqa: E402
 from moerl.model.moe import GroupedExperts, SparseMoEBlock, TopKRouter  # noqa: E402
 from moerl.rollout import Engine, EngineConfig, SamplingParams  # noqa: E402

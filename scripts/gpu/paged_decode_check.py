@@ -38,7 +38,8 @@ def check_eks_p5en(failures: list[str]) -> None:
     """configs/eks-p5en.toml's rollout settings (256 x 5120) at Qwen3-30B-A3B's shape (random weights) on this
     GPU: the plan before the weights load, the engine starting, and a GRPO-like load (16 groups of 16 samples,
     1,000-token prompts, 1,024 new tokens at temperature 1: the groups share their prompts' blocks)."""
-    from moerl.bench.rollout import qwen3_30b_a3b_config, random_model
+    from moerl.bench.rollout import random_model
+    from moerl.bench.rollout_workload import qwen3_30b_a3b_config
     from moerl.config import load_config
     from moerl.rollout.memory import plan_for_device
 

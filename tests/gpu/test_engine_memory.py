@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from moerl.bench.rollout import qwen3_30b_a3b_config, random_model
+from moerl.bench.rollout import random_model
+from moerl.bench.rollout_workload import qwen3_30b_a3b_config
 from moerl.rollout import Engine, EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.cuda_only

@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from moerl.bench.rollout import bench_model_config, random_model
+from moerl.bench.rollout import random_model
+from moerl.bench.rollout_workload import bench_model_config
 from moerl.model import tiny_config
 from moerl.rollout import Engine, EngineConfig, SamplingParams
 

@@ -505,7 +505,7 @@ class _IMDS(http.server.ThreadingHTTPServer):
 
 def tiny_worker_spec(**changes):
     from moerl.model import tiny_config
-    from moerl.actors.rollout_worker import WorkerSpec
+    from moerl.actors.worker_spec import WorkerSpec
     from moerl.rollout import EngineConfig, SamplingParams
 
     task = ArithmeticTask()
@@ -567,7 +567,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_imds_notice_preempts_and_partials_continue_elsewhere(in_process_workers):
-    from moerl.actors.rollout_worker import WorkerSpec
+    from moerl.actors.worker_spec import WorkerSpec
 
     assert WorkerSpec.imds_interval_s == 5.0  # the spot notice is polled every 5 s unless a spec says otherwise
     make, exited, exits = in_process_workers
@@ -715,7 +715,7 @@ def _trainer_pids() -> list[int]:
 def test_trainer_death_names_the_rank_and_how_to_resume(tmp_path, ray_env, capsys):
     """A trainer rank killed mid-run ends the run with one line naming the rank and the checkpoint to resume
     from (it used to be a raw ActorDiedError)."""
-    from moerl.run import main
+    from moerl.train_cli import main
 
     overrides = [f"--run.dir={tmp_path}", "--train.sft_steps=0", "--train.steps=200", "--train.batch_groups=2",
                  f"--rollout.group_size={GROUP}", "--rollout.num_workers=1", "--checkpoint.every=2"]

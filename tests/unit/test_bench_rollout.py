@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moerl.bench import rollout
+from moerl.bench import rollout, rollout_workload
 from moerl.model.layers import RMSNorm
 
 
 @pytest.fixture(scope="module")
 def params_30b() -> int:
-    return rollout.parameter_count(rollout.qwen3_30b_a3b_config())  # counted on the meta device
+    return rollout_workload.parameter_count(rollout_workload.qwen3_30b_a3b_config())  # counted on the meta device
 
 
 def test_the_30b_preset_has_qwen3_30b_a3b_shape_and_size(params_30b):
-    preset = rollout.PRESETS["qwen3-30b-a3b"]
+    preset = rollout_workload.PRESETS["qwen3-30b-a3b"]
     c = preset.config()
     assert (c.num_hidden_layers, c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
             c.vocab_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
@@ -27,7 +27,7 @@ def test_the_30b_preset_has_qwen3_30b_a3b_shape_and_size(params_30b):
 
 
 def test_floor_bytes_count_every_weight_once_at_a_large_batch(params_30b):
-    c = rollout.qwen3_30b_a3b_config()
+    c = rollout_workload.qwen3_30b_a3b_config()
     weights, kv = rollout.decode_step_bytes(c, batch=256, context=256, bytes_per=2)
     embedding = c.vocab_size * c.hidden_size
     assert abs(weights / 2 - (params_30b - embedding)) < 2e6  # all 128 experts hit, norms aside
@@ -37,7 +37,7 @@ def test_floor_bytes_count_every_weight_once_at_a_large_batch(params_30b):
 
 
 def test_random_init_drawn_on_the_device():
-    c = rollout.PRESETS["tiny"].config()
+    c = rollout_workload.PRESETS["tiny"].config()
     model = rollout.random_model(c, torch.bfloat16, torch.device("cpu"), seed=1, draw_on_device=True)
     for name, p in model.named_parameters():
         assert p.dtype == torch.bfloat16, name

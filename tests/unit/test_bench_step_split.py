@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moerl.bench import rollout, step_split
+from moerl.bench import rollout, rollout_workload, step_split
 from moerl.bench.step_split import classify
 from moerl.model import MoEModelConfig
 from moerl.rollout import Engine, EngineConfig
@@ -103,13 +103,13 @@ def test_prefill_flops_match_a_hand_count():
 
 
 def test_30b_active_parameters_are_qwen3_30b_a3b_s_3_3b():
-    c = rollout.qwen3_30b_a3b_config()
+    c = rollout_workload.qwen3_30b_a3b_config()
     _, active = rollout.prefill_flops(c, 128)
     assert abs(active + 2 * c.vocab_size * c.hidden_size - 3.35e9) < 0.05e9  # HF's 3.3B counts both embeddings
 
 
 def test_split_of_a_tiny_cpu_engine_covers_every_part_and_cleans_up():
-    c = rollout.PRESETS["tiny"].config()
+    c = rollout_workload.PRESETS["tiny"].config()
     model = rollout.random_model(c, torch.float32, torch.device("cpu"), seed=0)
     engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=24, prefill_chunk=8, cuda_graphs=False,
                                         prefix_caching=False))

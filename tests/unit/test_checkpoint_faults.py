@@ -202,7 +202,7 @@ def test_resume_refuses_a_torn_newest_step_and_names_the_intact_one(tmp_path, da
 
 
 def test_moerl_train_resume_of_a_torn_newest_step_overwrites_nothing(tmp_path, capsys):
-    from moerl.run import main
+    from moerl.train_cli import main
 
     run_dir, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     store = CheckpointStore(str(ck))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.cli import config_sections
+from moerl.train_args import config_sections
 from moerl.config import MoerlConfig
 from moerl.config_docs import all_fields, attribute_docs, reference_markdown
 

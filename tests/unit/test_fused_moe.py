@@ -1,15 +1,15 @@
-"""The fused MoE decode path's torch side (moerl/kernels/fused_moe.py): the sort-free alignment, the numerics
-reference, the block-config table, and SparseMoEBlock's choice of path on a CPU. The Triton kernels themselves
-are checked against these in tests/gpu/test_fused_moe_gpu.py."""
+"""The fused MoE decode path's torch side (moerl/kernels/fused_moe.py, fused_moe_configs.py): the sort-free
+alignment, the numerics reference, the block-config table, and SparseMoEBlock's choice of path on a CPU. The
+Triton kernels themselves are checked against these in tests/gpu/test_fused_moe_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moerl.kernels.fused_moe import (M_BUCKETS, SHARED_MEMORY_BYTES, _CONFIGS, KernelConfig, fused_moe_configs,
-                                     fused_moe_reference, m_bucket, max_row_blocks, moe_align_reference,
-                                     shared_memory)
+from moerl.kernels.fused_moe import fused_moe_reference, moe_align_reference
+from moerl.kernels.fused_moe_configs import (M_BUCKETS, SHARED_MEMORY_BYTES, _CONFIGS, KernelConfig, fused_moe_configs,
+                                             m_bucket, max_row_blocks, shared_memory)
 from moerl.model import MoEModelConfig
 from moerl.model.moe import SparseMoEBlock
 

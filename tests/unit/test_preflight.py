@@ -31,7 +31,7 @@ ARCH = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_lay
 
 def train(argv: list[str], capsys) -> tuple[int, list[str], str]:
     """`moerl train DEMO argv...` in this process: (exit status, stderr lines, stdout)."""
-    from moerl.run import main
+    from moerl.train_cli import main
 
     code = main([DEMO, *argv])
     out = capsys.readouterr()
@@ -386,18 +386,18 @@ def test_export_refuses_a_non_empty_directory_unless_forced(tmp_path, capsys) ->
 
 def test_resume_if_saved_resumes_only_when_a_checkpoint_is_committed(tmp_path, monkeypatch):
     """`moerl launch`'s trainer passes --resume-if-saved: a restarted job continues, its first start begins."""
-    from moerl import run
+    from moerl import run, train_cli
 
     seen: list[bool] = []
     monkeypatch.setattr(run, "prepare", lambda cfg, resume, resume_step, **kw: seen.append(resume) or (_ for _ in ()).throw(
         run.PreflightError("stop here")))
     argv = [DEMO, f"--run.dir={tmp_path}", "--resume-if-saved"]
-    assert run.main(argv) == 2 and seen == [False]
+    assert train_cli.main(argv) == 2 and seen == [False]
     store = CheckpointStore(str(tmp_path / "checkpoints"))
     store.begin(4)
     store.write_bytes(4, "state.bin", b"x")
     store.commit(4)
-    assert run.main(argv) == 2 and seen == [False, True]
+    assert train_cli.main(argv) == 2 and seen == [False, True]
 
 
 def test_deterministic_is_refused_on_a_gpu_and_set_in_every_trainer_process(tmp_path) -> None:
@@ -514,14 +514,14 @@ def test_a_local_ray_gets_its_auth_mode_before_ray_is_imported(tmp_path) -> None
     code = f"""if True:
         import os, sys
         os.environ.pop("RAY_AUTH_MODE", None)
-        from moerl import run
+        from moerl import run, train_cli
         seen = {{}}
         def fake(cfg, **kw):
             seen["mode"] = os.environ.get("RAY_AUTH_MODE")
             raise SystemExit(0)
         run.train = fake
         try:
-            run.main([{DEMO!r}, "--run.dir={tmp_path / 'run'}"])
+            train_cli.main([{DEMO!r}, "--run.dir={tmp_path / 'run'}"])
         except SystemExit:
             pass
         assert seen == {{"mode": "token"}}, seen

@@ -89,7 +89,7 @@ def test_event_lines_and_error_log_are_redacted(tmp_path, monkeypatch) -> None:
 
 
 def test_a_failed_runs_error_line_and_traceback_are_redacted(tmp_path, monkeypatch, capsys) -> None:
-    from moerl import run
+    from moerl import run, train_cli
 
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
@@ -99,7 +99,7 @@ def test_a_failed_runs_error_line_and_traceback_are_redacted(tmp_path, monkeypat
 
     monkeypatch.setattr(run, "train", fail)
     for extra in ([], ["--run.log_level=debug"]):
-        assert run.main([DEMO, f"--run.dir={tmp_path}", *extra]) == 1
+        assert train_cli.main([DEMO, f"--run.dir={tmp_path}", *extra]) == 1
         assert_clean(capsys.readouterr().err)
     assert "Traceback" in (tmp_path / "error.log").read_text()
     assert_clean((tmp_path / "error.log").read_text())

@@ -314,7 +314,7 @@ def test_wandb_missing_is_one_line_before_ray_starts(tmp_path: Path, monkeypatch
                                                       capsys: pytest.CaptureFixture) -> None:
     import ray
 
-    from moerl.run import main
+    from moerl.train_cli import main
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     rc = main(["configs/demo.toml", f"--run.dir={tmp_path / 'run'}", "--run.wandb=true"])
@@ -392,7 +392,7 @@ def test_the_summary_compares_reward_windows_and_tables_the_counters(tmp_path, c
     counters a raw dict (issue 27 item 10)."""
     import json
 
-    from moerl import run
+    from moerl import run, train_cli
     from moerl.runlog.summary import counters_table, reward_line
 
     rewards = {s: (0.1 if s <= 50 else 0.5) for s in range(1, 201)} | {200: 0.3}
@@ -415,7 +415,7 @@ def test_the_summary_compares_reward_windows_and_tables_the_counters(tmp_path, c
         return {"stopped": None, "step": 200, "steps": 200, "checkpoint_step": 200, "counters": counters,
                 "metrics": {"reward/mean": 0.3, "elapsed_s": 79.4}}
     monkeypatch.setattr(run, "train", fake_train)
-    assert run.main([str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml"), f"--run.dir={run_dir}",
+    assert train_cli.main([str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml"), f"--run.dir={run_dir}",
                      "--train.steps=200"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == [f"done: 200 steps in 79 s; outputs in {run_dir}; the policy is checkpoint step 200",

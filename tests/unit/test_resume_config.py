@@ -66,7 +66,7 @@ def _metrics(run_dir: Path, last: int) -> None:
 
 
 def _main(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str], dict]:
-    from moerl import run
+    from moerl import run, train_cli
 
     seen: dict = {}
 
@@ -75,7 +75,7 @@ def _main(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str], dict]:
         return {"stopped": None, "step": cfg.train.steps, "steps": cfg.train.steps, "metrics": {}, "counters": {},
                 "checkpoint_step": cfg.train.steps}
     monkeypatch.setattr(run, "train", fake_train)
-    code = run.main([DEMO, *argv])
+    code = train_cli.main([DEMO, *argv])
     return code, capsys.readouterr().err.splitlines(), seen
 
 
@@ -133,7 +133,7 @@ def test_a_save_cut_short_gets_the_same_advice_from_both_commands(tmp_path, caps
 
 
 def test_a_second_ctrl_c_says_the_same(tmp_path, capsys, monkeypatch) -> None:
-    from moerl import run
+    from moerl import run, train_cli
 
     run_dir = tmp_path / "run"
 
@@ -143,7 +143,7 @@ def test_a_second_ctrl_c_says_the_same(tmp_path, capsys, monkeypatch) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run, "train", abort)
-    assert run.main([DEMO, f"--run.dir={run_dir}"]) == 130
+    assert train_cli.main([DEMO, f"--run.dir={run_dir}"]) == 130
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == ("aborted at step 7 of 600 by a second Ctrl-C; no checkpoint was saved: nothing to resume; "
                        "start a new run with --run.dir=<another directory> (or delete that one)")

@@ -68,13 +68,13 @@ def test_a_stale_or_foreign_lock_file(tmp_path) -> None:
 
 
 def test_moerl_train_refuses_a_locked_run_dir_before_ray(tmp_path, capsys, monkeypatch) -> None:
-    from moerl import run
+    from moerl import run, train_cli
 
     monkeypatch.setattr(run, "train", lambda cfg, **kw: {"stopped": None, "step": 1, "steps": 1, "metrics": {},
                                                         "counters": {}, "checkpoint_step": 1})
     with RunLock(tmp_path / "run"):
-        assert run.main([DEMO, f"--run.dir={tmp_path / 'run'}"]) == 2
+        assert train_cli.main([DEMO, f"--run.dir={tmp_path / 'run'}"]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: run.dir '{tmp_path / 'run'}' is in use by another run")
-    assert run.main([DEMO, f"--run.dir={tmp_path / 'run'}"]) == 0  # and the run releases it at its end
+    assert train_cli.main([DEMO, f"--run.dir={tmp_path / 'run'}"]) == 0  # and the run releases it at its end
     assert not (tmp_path / "run" / LOCK_FILE).exists()

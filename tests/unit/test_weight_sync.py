@@ -74,7 +74,8 @@ def test_expert_bias_travels_in_float32_and_steers_the_engines_routing():
     the engine a worker builds chooses experts with it (a +100 bias once left the rollout's choices unchanged)."""
     from dataclasses import replace
 
-    from moerl.actors.rollout_worker import WorkerSpec, _build_engine
+    from moerl.actors.rollout_worker import _build_engine
+    from moerl.actors.worker_spec import WorkerSpec
     from moerl.rollout import SamplingParams
 
     arch = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_experts=4,
