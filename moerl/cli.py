@@ -20,7 +20,8 @@ import textwrap
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
            "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint", "moe-decode": "moerl.bench.moe_decode",
            "train": "moerl.bench.train", "loop": "moerl.bench.loop", "learn": "moerl.bench.learn",
-           "logprobs": "moerl.bench.logprobs", "kernels": "moerl.bench.kernels"}
+           "logprobs": "moerl.bench.logprobs", "kernels": "moerl.bench.kernels",
+           "varlen": "moerl.bench.varlen"}
 
 
 EXIT_CODES = ("exit status: 0 the run finished; 1 it failed (the error line says how to resume); 2 a bad config "
