@@ -21,7 +21,7 @@ BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispat
            "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint", "moe-decode": "moerl.bench.moe_decode",
            "train": "moerl.bench.train", "loop": "moerl.bench.loop", "learn": "moerl.bench.learn",
            "logprobs": "moerl.bench.logprobs", "kernels": "moerl.bench.kernels",
-           "varlen": "moerl.bench.varlen"}
+           "varlen": "moerl.bench.varlen", "paged-decode": "moerl.bench.paged_decode"}
 
 
 EXIT_CODES = ("exit status: 0 the run finished; 1 it failed (the error line says how to resume); 2 a bad config "
