@@ -14,7 +14,8 @@ the torch references elsewhere. The peer is the torch reference on the same inpu
 (--calls calls a graph, as the decode graphs run them: launch gaps gone); forward + backward cases eagerly, CUDA
 events around each step. The hardware limit is the fewest bytes a case must move (each input read once, each
 output written once: `norm_bytes`, `router_bytes`, `sampler_bytes`) at the device copy bandwidth measured in the
-same run. "equal" is the fraction of our output elements (gradients included) bitwise equal to the reference's.
+same run. "equal" is the fraction of our output elements (gradients included) bitwise equal to the reference's,
+"compile equal" torch.compile's.
 Shape legend: R rows, D normalised dim, T tokens, E experts, K experts per token, B rows, V vocabulary.
 """
 
@@ -76,6 +77,7 @@ class Result:
     torch_s: float
     compiled_s: float | None  # None: not run (CPU, --no-compile) or it failed (see note)
     equal: float
+    compiled_equal: float | None = None
     note: str = ""
 
 
@@ -182,7 +184,7 @@ def equal_fraction(got: Outputs, want: Outputs) -> float:
     return same / max(sum(g.numel() for g in got), 1)
 
 
-def measure(case: Case, device: torch.device, args: argparse.Namespace) -> Result:
+def measure(case: Case, device: torch.device, args: argparse.Namespace, compile_peer: bool) -> Result:
     graph = device.type == "cuda" and case.group != "train"
 
     def seconds(fn: Callable[..., object]) -> float:
@@ -192,14 +194,18 @@ def measure(case: Case, device: torch.device, args: argparse.Namespace) -> Resul
                 return graph_seconds(call, args.calls, args.reps)
             return time_fn(call, device, warmup=2, iters=args.reps)
 
-    with torch.set_grad_enabled(case.group == "train"):
-        ours_out, want = case.step(case.ours)(), case.step(case.reference)()
+    def outputs(fn: Callable[..., object]) -> Outputs:
+        with torch.set_grad_enabled(case.group == "train"):
+            return case.step(fn)()
+
+    want = outputs(case.reference)
     result = Result(case.name, case.nbytes, seconds(case.ours), seconds(case.reference), None,
-                    equal_fraction(ours_out, want))
-    if device.type != "cuda" or args.no_compile:
+                    equal_fraction(outputs(case.ours), want))
+    if not compile_peer:
         return result
     try:
         compiled = torch.compile(case.reference, fullgraph=True, dynamic=False)
+        result.compiled_equal = equal_fraction(outputs(compiled), want)  # compiles it, outside any graph capture
         result.compiled_s = seconds(compiled)
     except Exception as e:  # noqa: BLE001 - a peer's failure: say why, keep our numbers
         result.note = f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -237,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
           + ("" if device.type == "cuda" else " (CPU: tiny shapes, ours is the torch reference)"), flush=True)
     copy_bw = measure_copy_bandwidth(device)
     results = []
-    print(f"{'case':<40} {'ours us':>9} {'torch us':>9} {'compile us':>11} {'floor us':>9} {'equal':>8}")
+    print(f"{'case':<40} {'ours us':>9} {'torch us':>9} {'compile us':>11} {'floor us':>9} {'equal':>8} "
+          f"{'compile equal':>13}")
     for case in cases(device, groups):
-        r = measure(case, device, args)
+        r = measure(case, device, args, compile_peer=device.type == "cuda" and not args.no_compile)
         results.append(r)
         compiled = f"{r.compiled_s * 1e6:>11,.1f}" if r.compiled_s is not None else f"{'-':>11}"
+        compiled_eq = f"{r.compiled_equal:>13.5f}" if r.compiled_equal is not None else f"{'-':>13}"
         print(f"{r.name:<40} {r.ours_s * 1e6:>9,.1f} {r.torch_s * 1e6:>9,.1f} {compiled} "
-              f"{r.nbytes / copy_bw * 1e6:>9,.1f} {r.equal:>8.5f}" + (f"  {r.note}" if r.note else ""), flush=True)
+              f"{r.nbytes / copy_bw * 1e6:>9,.1f} {r.equal:>8.5f} {compiled_eq}" + (f"  {r.note}" if r.note else ""),
+              flush=True)
     print(f"hw limit: the bytes each case must move at the measured copy bandwidth {copy_bw / 1e9:,.0f} GB/s "
           "(the floor column)")
     print()

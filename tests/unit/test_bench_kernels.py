@@ -49,7 +49,17 @@ def test_cpu_run_reports_every_case(capsys, monkeypatch):
     names = [c.name for c in kernels.cases(torch.device("cpu"), kernels.GROUPS)]
     assert len(names) == 7
     for name in names:
-        line = re.search(rf"^{re.escape(name)}\s+([\d,.]+)\s+([\d,.]+)\s+-\s+([\d,.]+)\s+([\d.]+)$", out, re.M)
+        line = re.search(rf"^{re.escape(name)}\s+([\d,.]+)\s+([\d,.]+)\s+-\s+([\d,.]+)\s+([\d.]+)\s+-$", out, re.M)
         assert line, (name, out)
         assert float(line.group(4)) == 1.0  # on a CPU ours is the reference: bitwise equal
     assert "ours vs the torch expressions" in out and "torch.compile" not in out.split("hw limit")[1]
+
+
+def test_the_compile_peer_is_timed_and_compared_like_ours(monkeypatch):
+    """torch.compile stood in by the function itself (compiling is CUDA-only in the bench, and slow): its column
+    and its bitwise-equal fraction come from the same steps as ours."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    args = kernels._parse(["--device", "cpu", "--reps", "1"])
+    for case in kernels.cases(torch.device("cpu"), ("decode", "train")):
+        r = kernels.measure(case, torch.device("cpu"), args, compile_peer=True)
+        assert r.compiled_s is not None and r.compiled_s > 0 and r.compiled_equal == 1.0 and not r.note, r
