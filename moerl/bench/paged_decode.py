@@ -145,7 +145,7 @@ def paged_step_seconds(model, arch: MoEModelConfig, B: int, S: int, ctx: int, ke
     captured = engine.graphs.captured if engine.graphs is not None else {}
     graph = captured[max(captured, key=lambda k: k[0])][0] if captured else None  # the B-row bucket
     replay_s = replay_seconds(graph) if graph is not None else math.nan
-    del engine, graph
+    del engine, graph, captured  # the graphs and their memory pools go before the next engine is built
     if cuda:
         torch.cuda.empty_cache()
     return replay_s, step_s

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from moerl.bench.common import Row, device_description, format_table, measure_matmul_peak, synchronize
-from moerl.bench.train import active_flops_per_token
 from moerl.model import MoECausalLM, MoEModelConfig, build_model, transformer
 from moerl.model.layers import varlen_unavailable_reason
 from moerl.model.packing import PackedSeqs
@@ -64,6 +63,8 @@ def make_config(hidden: int, layers: int) -> MoEModelConfig:
 def packed_flops(config: MoEModelConfig, lengths: list[int]) -> float:
     """Model FLOPs of forward + backward over sequences of these lengths: each token's 6 x active weights and its
     sequence's causal attention (a sequence of n attends over n / 2 positions on average), as bench train."""
+    from moerl.bench.train import active_flops_per_token  # here, not above: it loads the trainer (a slower --help)
+
     return sum(n * active_flops_per_token(config, n) for n in lengths)
 
 
