@@ -21,7 +21,8 @@ from moerl.train_args import config_overrides, config_sections, parse_train_args
 BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispatch", "rollout": "moerl.bench.rollout",
            "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint", "moe-decode": "moerl.bench.moe_decode",
            "train": "moerl.bench.train", "loop": "moerl.bench.loop", "learn": "moerl.bench.learn",
-           "logprobs": "moerl.bench.logprobs"}
+           "logprobs": "moerl.bench.logprobs", "kernels": "moerl.bench.kernels",
+           "varlen": "moerl.bench.varlen", "paged-decode": "moerl.bench.paged_decode"}
 
 
 def _bench(argv: list[str]) -> int:

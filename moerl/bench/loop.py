@@ -138,9 +138,20 @@ def engine_alone(args: argparse.Namespace, gpu: bool, inflight_groups: int, seco
                     submit()
         return samples, tokens, time.perf_counter() - t0
     run(min(10.0, seconds / 4))  # warm-up: CUDA graphs, kernels, the first requests' prefill
+    before = dict(engine.stats, steps=engine.steps)
     samples, tokens, wall = run(seconds)
     return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "seconds": wall,
-            "inflight_groups": inflight_groups}
+            "inflight_groups": inflight_groups, **occupancy(before, dict(engine.stats, steps=engine.steps),
+                                                            spec.engine.max_batch_size, wall)}
+
+
+def occupancy(before: dict, after: dict, slots: int, wall: float) -> dict:
+    """The engine's batch over a timed window, from its counters at both ends: decode rows per decode step (of
+    `slots`), wall ms per engine step (prefill and decode together) and the share of prompt tokens in the work."""
+    delta = {k: after[k] - before[k] for k in ("decode_tokens", "decode_steps", "prefill_tokens", "steps")}
+    return {"decode_rows": delta["decode_tokens"] / max(delta["decode_steps"], 1), "slots": slots,
+            "step_ms": 1e3 * wall / max(delta["steps"], 1),
+            "prefill_share": delta["prefill_tokens"] / max(delta["prefill_tokens"] + delta["decode_tokens"], 1)}
 
 
 def _sync_groups(args: argparse.Namespace, gpu: bool, base: Path) -> int:
@@ -172,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                          for m in ("sync", "async", "async@sync"))
     alone = engine_alone(args, gpu, asyn["inflight_groups"], max(5.0, asyn["wall_s"]))
     print(f"engine alone, fed continuously at {alone['inflight_groups']} groups for {alone['seconds']:.0f} s: "
-          f"{alone['samples_per_s']:.1f} samples/s, {alone['tokens_per_s']:.0f} tok/s", flush=True)
+          f"{alone['samples_per_s']:.1f} samples/s, {alone['tokens_per_s']:.0f} tok/s; {alone['decode_rows']:.0f} "
+          f"decode rows per step of {alone['slots']} slots, {alone['step_ms']:.2f} ms per engine step, prompt "
+          f"tokens {100 * alone['prefill_share']:.0f}% of the tokens computed", flush=True)
     rows = [Row("throughput, each mode at its best", asyn["samples_per_s"], sync["samples_per_s"], "samples/s"),
             Row("throughput, equal concurrency (async at sync's)", equal["samples_per_s"], sync["samples_per_s"],
                 "samples/s"),

@@ -5,6 +5,8 @@
     python -m moerl.cli bench rollout --preset qwen3-30b-a3b   # Qwen3-30B-A3B's shape, random init, temperature 1
     python -m moerl.cli bench rollout --device cpu             # the tiny demo model on CPU (preset `tiny`)
     python -m moerl.cli bench rollout --ep-size 8              # an engine group over 8 GPUs vs one engine
+    python -m moerl.cli bench rollout --profile --overlap-ablation  # + where a step goes in graph mode (host
+                                                               # included), and the rate with overlapped decode off
 
 Presets (`PRESETS`) fix the model shape, the workload and the sampling; --requests/--prompt-len/--new-tokens/
 --temperature override them. Random weights are drawn on the device itself (no CPU copy, no download). Both
@@ -28,11 +30,11 @@ import time
 
 import torch
 
-from moerl.bench import step_split
+from moerl.bench import decode_profile, step_split
 from moerl.bench.common import (Row, device_description, format_table, measure_copy_bandwidth, measure_matmul_peak,
                                 synchronize)
 from moerl.bench.rollout_ep import main_ep
-from moerl.bench.rollout_workload import PRESETS, parameter_count, run_engine, sampling_params, size_label
+from moerl.bench.rollout_workload import PRESETS, parameter_count, run_engine, size_label
 from moerl.model import MoEModelConfig, build_model
 from moerl.model.layers import RMSNorm
 from moerl.rollout import Engine, EngineConfig
@@ -72,33 +74,28 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peak-bw", type=float, default=None, help="HBM datasheet bandwidth in GB/s for a second "
                    "floor (default 4800 on an H200, else none); the first is over the measured copy bandwidth")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
-    p.add_argument("--profile", action="store_true", help="print the top ops of 5 decode steps")
+    p.add_argument("--profile", action="store_true", help="then profile decode steps in the engine's own mode: "
+                   "device busy vs idle, top kernels, the graph replayed alone vs a step, the host's time by function "
+                   "(moerl/bench/decode_profile.py)")
+    p.add_argument("--trace", default="", metavar="PATH", help="with --profile: write its steps as a Chrome trace")
+    p.add_argument("--overlap-ablation", action="store_true", help="then time the same engine with overlapped "
+                   "decode off (EngineConfig.overlap_decode) on the same prompts: a row of the table")
     p.add_argument("--no-split", action="store_true", help="skip the decode step split (a few profiled eager steps)")
     p.add_argument("--ep-size", type=int, default=1, help="ranks of an expert-parallel engine group (spawned, or "
                    "torchrun's); > 1 compares it with one engine: see moerl/bench/rollout_ep.py")
     return p.parse_args(argv)
 
 
-def _profile_decode(engine: Engine, prompts, device, temperature: float) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    for p, sp in zip(prompts, sampling_params(len(prompts), 64, temperature)):
-        engine.submit(p, sp)
-    for _ in range(3):
-        engine.step()  # prefill, then steady decode
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        for _ in range(5):
-            engine.step()
-        synchronize(device)
-    print(f"--- profile of 5 decode steps: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms/step wall (profiler on)")
-    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
-    while engine.has_unfinished():
-        engine.step()
+def _run_without_overlap(engine: Engine, model, prompts, new_tokens: int, temperature: float) -> dict | None:
+    """The timed run again with overlapped decode off (the same engine, graphs and prompts); None where it is off
+    already (a CPU's default)."""
+    if not engine.pipeline.overlap:
+        return None
+    engine.pipeline.overlap = False  # between runs: no step is launched ahead now
+    try:
+        return run_engine(engine, model, prompts, new_tokens, temperature)
+    finally:
+        engine.pipeline.overlap = True
 
 
 def _measure_split(engine: Engine, prompts, new_tokens: int, temperature: float):
@@ -219,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
               f"(compiles, captures the {R}-row decode graph)", flush=True)
         run_engine(engine, model, prompts, 4, T)  # Triton compiles; the graph of the timed run's batch captured
         ours = run_engine(engine, model, prompts, N, T)
+        no_overlap = _run_without_overlap(engine, model, prompts, N, T) if args.overlap_ablation else None
         if args.profile:
-            _profile_decode(engine, prompts, device, T)
+            decode_profile.profile_decode(engine, prompts, T, N, trace=args.trace)
         split = None if args.no_split else _measure_split(engine, prompts, N, T)
     except torch.OutOfMemoryError as e:
         free, total = torch.cuda.mem_get_info(device) if gpu else (0, 0)
@@ -230,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"moerl: {ours['total_s']:.2f}s total, mean TTFT {ours['ttft_s'] * 1e3:.1f} ms, "
           f"{ours['decode_tok_s']:.0f} decode tok/s, CUDA graphs: {ours['graphs']}", flush=True)
+    if no_overlap is not None:
+        print(f"overlapped decode off: {no_overlap['decode_tok_s']:.0f} decode tok/s; with it "
+              f"{ours['decode_tok_s'] / no_overlap['decode_tok_s']:.3f}x that (one run each)", flush=True)
+    elif args.overlap_ablation:
+        print("overlapped decode is off on this device already (EngineConfig.overlap_decode): no ablation")
     peer, peer_name = None, "-"
     peer_spec = args.peer if args.peer is not None else ("dynamic,static" if preset.peer else "none")
     caches = [c for c in peer_spec.split(",") if c and c != "none"]
@@ -268,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             higher_is_better=False),
         Row("decode step", step_s * 1e3, None, "ms"),
     ]
+    if no_overlap is not None:
+        rows.insert(1, Row("decode throughput, overlapped decode off", no_overlap["decode_tok_s"], None, "tok/s",
+                           ceiling=R / floor_s))
     if peer is not None:
         title = f"peer: transformers generate, {peer_name} cache, grouped_mm experts"
     else:

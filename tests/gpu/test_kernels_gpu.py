@@ -27,7 +27,7 @@ from moerl.model.config import MoEModelConfig
 from moerl.model.moe import SparseMoEBlock, grouped_mm_available
 from moerl.rollout.sampling import SamplingBatch, SamplingParams, gumbel_argmax_reference, noise_key
 
-# scripts/gpu/kernels_check.py's bounds; on an H200 float32 was <= 6e-7 and bf16 <= 7e-3 (BENCHMARKS.md)
+# The former scripts/gpu/kernels_check.py's bounds; on an H200 float32 was <= 6e-7 and bf16 <= 7e-3 (BENCHMARKS.md)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
 LOW_PRECISION = [torch.float32, torch.bfloat16]
 TRITON_WRAPPERS = ("gather_weighted_sum", "combine_backward", "swiglu_forward", "swiglu_backward")

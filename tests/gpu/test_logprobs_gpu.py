@@ -1,6 +1,6 @@
 """moerl.model.logprobs.chunked_token_logprobs on the device: log-probs, entropy and both gradients against the
 naive full-logits computation in float64, in float32 and bf16; and its peak extra memory at a trainer's size.
-Timings against the naive computation: scripts/gpu/logprobs_check.py.
+Timings against the naive computation and Liger: `moerl bench logprobs`.
 
 Shape legend: N tokens, D hidden size, V vocabulary.
 
@@ -20,9 +20,9 @@ from gpu_helpers import rel_err
 from moerl.model.logprobs import chunked_token_logprobs
 from moerl.model.logprobs import token_logprobs_reference as naive  # what the trainer did before
 
-# scripts/gpu/logprobs_check.py's bounds. bf16: the logits come out of a bf16 GEMM and grad_z is rounded to bf16
-# for the tensor-core GEMMs, ~1e-2 on the grads at tau = 0.7 (the naive bf16 computation has the same error);
-# an H200 saw 1.4e-2 at this size, this machine's CPU 1.3e-2.
+# The bounds of the former scripts/gpu/logprobs_check.py. bf16: the logits come out of a bf16 GEMM and grad_z is
+# rounded to bf16 for the tensor-core GEMMs, ~1e-2 on the grads at tau = 0.7 (the naive bf16 computation has the
+# same error); an H200 saw 1.4e-2 at this size, this machine's CPU 1.3e-2.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 MEMORY_TARGET_GIB = 2.0
 

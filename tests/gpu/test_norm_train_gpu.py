@@ -10,6 +10,8 @@ into the Triton wrappers are counted (a check that silently took the torch path 
 it take the kernels on CPU tensors (the interpreter runs them); without the interpreter these tests skip. The
 interpreter casts float32 to bf16 by truncation, not round-to-nearest-even as a GPU does, so its bf16 bounds are
 looser and nothing is asked bitwise of it in bf16; fp16 (rounded exactly there) checks the rounding steps.
+Timings (forward + backward at the trainer's shape, against the torch expressions and torch.compile):
+`moerl bench kernels --group train`.
 """
 
 from __future__ import annotations
@@ -280,33 +282,3 @@ def test_model_training_forward_takes_the_kernels(device, dtype, mode, train_cal
         norm_mod.fused_norm_train_applies = orig
     worst = max(rel_err(a, b) for a, b in zip(got, want, strict=True))
     assert worst <= (1e-4 if dtype == torch.float32 else 5e-2), f"worst parameter gradient rel. error {worst:.1e}"
-
-
-def cuda_ms(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-@pytest.mark.cuda_only
-def test_report_train_norm_timings(device, report):
-    """A figure, not an assertion: forward + backward of the trainer's norms at the 1.65B shape (32k-token micro-batch,
-    hidden 1024, 16 heads of 64, bf16) as torch ops vs the Functions, per call."""
-    from moerl.kernels.triton_norm_train import add_rms_norm_train, rms_norm_train
-
-    T, D, H, d = 32768, 1024, 16, 64
-    cases = {"input norm 32k x 1024": (T, D, False), "add + post norm 32k x 1024": (T, D, True),
-             "q_norm 32k x 16 x 64": (T * H, d, False)}
-    for name, (R, width, fused_add) in cases.items():
-        args = inputs(device, torch.bfloat16, R, width, seed=R + width)
-        ms = {}
-        for path, (norm_fn, add_fn) in {"torch": (rms_norm_reference, add_rms_norm_reference),
-                                        "fused": (rms_norm_train, add_rms_norm_train)}.items():
-            ms[path] = cuda_ms(lambda: run(fused_add, *args, norm_fn, add_fn))
-        report(f"norm train: {name} forward + backward: torch {ms['torch']:.3f} ms, fused {ms['fused']:.3f} ms")

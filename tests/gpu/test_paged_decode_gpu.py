@@ -11,7 +11,7 @@ a row's length shows. The kernel allocates its output (nothing to poison eagerly
 is NaN-filled before the replay that must overwrite it.
 Engine: a float32 tiny model generates with the paged kernel (eagerly: float32's MoE loop reads expert counts on
 the host, so it cannot be captured) and is checked against a plain loop of full forwards; the same model in bf16
-decodes in CUDA graphs and is checked against the eager engine. Timings: scripts/gpu/paged_decode_check.py.
+decodes in CUDA graphs and is checked against the eager engine. Timings: `moerl bench paged-decode`.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ NEW_TOKENS = 20
 
 def prompts() -> list[list[int]]:
     """Lengths around the block sizes (16 and 4) and the prefill chunk (7); each twice (shared prompt blocks).
-    Model seed 0 and these prompts are scripts/gpu/paged_decode_check.py's, which passed on an H200 (the
+    Model seed 0 and these prompts are the former scripts/gpu/paged_decode_check.py's, which passed on an H200 (the
     equalities below have no tolerance: a near-tie of two logits or router scores would need another seed)."""
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(0, ARCH["vocab_size"], (n,), generator=gen).tolist() for n in (1, 5, 11, 16, 17, 33)] * 2

@@ -10,8 +10,8 @@ the scale, which a bf16 output shows in about 1e-4 of its elements; a float32 ou
 router must choose the same experts in the same order on rows without near-ties (score gaps > 1e-6), with weights
 within a bf16 ulp. Each case reports its bitwise-equal fraction. On CUDA the Triton wrappers are counted (a check
 that silently took the torch path fails); the CPU smoke run (MOERL_GPU_SUITE_ON_CPU=1) runs the same code on the
-references. The timing test reports old (torch ops) vs new (one kernel) per call in a replayed CUDA graph, the
-decode engine's setting, and torch.compile's fusion of the same expression beside them.
+references. Timings (torch ops vs one kernel per call in a replayed CUDA graph, the decode engine's setting, and
+torch.compile's fusion of the same expression beside them): `moerl bench kernels --group decode`.
 """
 
 from __future__ import annotations
@@ -264,62 +264,3 @@ def test_model_no_grad_forward_takes_the_kernels(device, dtype, triton_calls, re
     assert same >= 0.95, f"only {same:.1%} of the (position, layer) pairs chose the same experts"
     report(f"small kernels: tiny model {dtype}: no-grad (fused) vs autograd (torch) forward: logits rel. error "
            f"{err:.1e} (same routing), routing set-equal {same:.4f}")
-
-
-def graph_us_per_call(fn, calls: int = 50, reps: int = 10) -> float:
-    """Microseconds per call of fn replayed in a CUDA graph (launch gaps gone, as in the decode graphs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (calls * reps)
-
-
-@pytest.mark.cuda_only
-def test_report_decode_timings(device, report):
-    """A figure, not an assertion: the decode shape (256 rows, D 2048, bf16; q_norm over 32 heads of 128; router
-    E 128 K 8) as torch ops vs one kernel, per call in a replayed CUDA graph; torch.compile of the references
-    beside them (with its bitwise-equal fraction, or why it did not compile)."""
-    h, delta, w = norm_inputs(device, torch.bfloat16, 256, "D2048", seed=21)
-    q, _, wq = norm_inputs(device, torch.bfloat16, 256, "heads32xd128", seed=22)
-    logits_TE = router_logits(device, torch.bfloat16, 256, 128, seed=23)
-    from moerl.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
-    from moerl.kernels.triton_router import router_topk_triton
-
-    cases = {
-        "add+rms_norm 256x2048": (lambda: add_rms_norm_reference(h, delta, w, EPS),
-                                  lambda: add_rms_norm_triton(h, delta, w, EPS), add_rms_norm_reference,
-                                  (h, delta, w, EPS)),
-        "q_norm 256x32x128": (lambda: rms_norm_reference(q, wq, EPS), lambda: rms_norm_triton(q, wq, EPS),
-                              rms_norm_reference, (q, wq, EPS)),
-        "router top-8 of 128, T=256": (lambda: router_topk_reference(logits_TE, 8, True),
-                                       lambda: router_topk_triton(logits_TE, 8, True), router_topk_reference,
-                                       (logits_TE, 8, True)),
-    }
-    with torch.no_grad():
-        for name, (old, new, ref_fn, args) in cases.items():
-            line = f"small kernels: decode {name}: torch {graph_us_per_call(old):.1f} us, " \
-                   f"fused {graph_us_per_call(new):.1f} us per call (CUDA graph)"
-            try:
-                compiled = torch.compile(ref_fn, fullgraph=True, dynamic=False)
-                got, want = compiled(*args), ref_fn(*args)
-                got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-                frac = min(equal_fraction(g, r) for g, r in zip(got, want, strict=True) if g.is_floating_point())
-                line += f"; torch.compile {graph_us_per_call(lambda: compiled(*args)):.1f} us, " \
-                        f"bitwise equal {frac:.4f}"
-            except Exception as e:  # noqa: BLE001 - a figure only: say why there is none
-                line += f"; torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-            report(line)

@@ -1,6 +1,6 @@
 """Packed (variable-length) forwards in the model's dtype: which attention path packed input takes, the packed
 forward against each sequence's own forward, the gradients of a packed loss against the sum over separate forwards,
-and activation checkpointing's gradients against none. Timings: scripts/gpu/varlen_check.py.
+and activation checkpointing's gradients against none. Timings: `moerl bench varlen`.
 
 bf16 on CUDA (flash varlen attention), float32 in the CPU smoke run (the SDPA fallback: causal on a right-padded
 copy, or the block-diagonal mask). Packed and separate forwards are both in the model's dtype: what differs is the
@@ -19,7 +19,8 @@ from moerl.model import MoECausalLM, MoEModelConfig, build_model, layers
 from moerl.model.layers import varlen_unavailable_reason
 from moerl.model.packing import PackedSeqs
 
-# scripts/gpu/varlen_check.py's bf16 bounds (packed logits seen 6.8e-3 on an H200); float32's for the CPU smoke
+# The former scripts/gpu/varlen_check.py's bf16 bounds (packed logits seen 6.8e-3 on an H200); float32's for
+# the CPU smoke
 TOL = {torch.bfloat16: {"logits": 2e-2, "grads": 5e-2}, torch.float32: {"logits": 1e-5, "grads": 1e-4}}
 
 

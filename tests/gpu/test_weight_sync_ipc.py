@@ -6,12 +6,11 @@ The buckets are carved out of one cached allocator segment on purpose (a freed b
 them stays cached, as memory freed by training does): they then share the segment's IPC memory handle at
 different offsets, the case where a worker keyed by the handle alone read every other version from another
 bucket's bytes. The test asserts that the case really occurs. On the CPU smoke run the same path runs over
-/dev/shm files.
+/dev/shm files. The time a version takes (publish to applied, decode paused) is `moerl bench loop`'s weight sync
+line, measured in the loop.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.multiprocessing as mp
@@ -55,14 +54,11 @@ def engine_process(device_type: str, inbox, outbox) -> None:
     receiver = Receiver(engine.device)
     while (msg := inbox.get(timeout=300)) is not None:
         version, handles = msg
-        t0 = time.perf_counter()
         apply_weights(engine, receiver.receive(handles), version)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        apply_s = time.perf_counter() - t0
         state = engine.model.state_dict()
-        outbox.put((engine.version, apply_s, checksums((e.name, state[e.name]) for h in handles
-                                                       for e in h.layout.entries)))
+        outbox.put((engine.version, checksums((e.name, state[e.name]) for h in handles for e in h.layout.entries)))
     outbox.put(None)
 
 
@@ -82,19 +78,16 @@ def test_cuda_ipc_weight_sync_is_bitwise_through_both_slots(device, report):
             del_me = torch.empty(2 * total + (64 << 20), dtype=torch.uint8, device=device)
             del del_me
         gen = torch.Generator(device=device).manual_seed(0)
-        all_handles, times = [], []
+        all_handles = []
         for version in range(1, VERSIONS + 1):
             with torch.no_grad():  # a new version: every weight moves
                 for p in trainer.model.parameters():
                     p.add_(torch.randn(p.shape, generator=gen, device=device), alpha=1e-2)
-            t0 = time.perf_counter()
             handles = publisher.shared(version)
-            publish_s = time.perf_counter() - t0
             all_handles.append(handles)
             want = checksums(trainer.publish_state().items())
             inbox.put((version, handles))
-            got_version, apply_s, got = outbox.get(timeout=300)
-            times.append((publish_s, apply_s))
+            got_version, got = outbox.get(timeout=300)
             assert got_version == version
             assert sorted(got) == sorted(want)
             wrong = [name for name in want if got[name] != want[name]]
@@ -106,8 +99,7 @@ def test_cuda_ipc_weight_sync_is_bitwise_through_both_slots(device, report):
             by_handle = {ipc[7] for ipc in slot_handles}
             assert len(by_handle) < len(slot_handles), "every bucket had its own segment: the shared-handle case did not occur"
             report(f"weight sync (CUDA IPC): {len(slot_handles)} buckets of 2 slots in {len(by_handle)} segments; "
-                   f"{total / 1e6:.0f} MB a version, publish {1e3 * times[-1][0]:.1f} ms, apply "
-                   f"{1e3 * times[-1][1]:.1f} ms; {VERSIONS} versions bitwise equal")
+                   f"{VERSIONS} versions of {total / 1e6:.0f} MB bitwise equal")
         publisher.close()
     finally:
         child.join(timeout=60)

@@ -1,7 +1,7 @@
 """symm_mem backend on a CPU-only machine: the probe explains why it cannot run, make_dispatcher refuses
 with that reason, and SymmMemDispatcher's own logic (layout, compaction, autograd, buffer alternation)
 matches LocalDispatcher when the two NVSHMEM ops are replaced by CPU emulations of their documented
-semantics over gloo (the real ops are checked by scripts/gpu/symm_mem_check.py on a GPU).
+semantics over gloo (the real ops are checked by scripts/multi_gpu/symm_mem_check.py on GPUs).
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Check SymmMemDispatcher (NVSHMEM) against LocalDispatcher and the all_to_all backend on GPUs.
 
-    python scripts/gpu/symm_mem_check.py                              # one GPU, world size 1
-    torchrun --nproc-per-node=N scripts/gpu/symm_mem_check.py         # N GPUs of one host (N <= 16)
+Its point is two GPUs or more (one host), so it is not in the GPU suite (`make test-gpu` runs on one lent H200);
+tests/unit/test_symm_mem_probe.py checks the probe's semantics over gloo, and `moerl bench dispatch` times the
+backends (world size 1 on one GPU, or under torchrun).
+
+    python scripts/multi_gpu/symm_mem_check.py                              # one GPU, world size 1
+    torchrun --nproc-per-node=N scripts/multi_gpu/symm_mem_check.py         # N GPUs of one host (N <= 16)
 
 For float32 and bfloat16: dispatch -> per-expert linear (+tanh) -> combine, outputs and the gradients
 of the tokens, the router weights and the expert weights, on random inputs with uneven tokens per rank,

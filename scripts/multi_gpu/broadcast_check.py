@@ -1,8 +1,11 @@
-"""The broadcast weight transport over NCCL between the GPUs of one host: one process per GPU, rank 0 the sender
+"""Needs two GPUs or more (one host), so it is not in the GPU suite (`make test-gpu` runs on one lent H200) nor a
+`moerl bench` command; tests/distributed/test_weight_broadcast.py runs the same transport over gloo on the CPU.
+
+The broadcast weight transport over NCCL between the GPUs of one host: one process per GPU, rank 0 the sender
 (as a trainer rank: fills its bucket buffers, broadcasts them on the group's thread), the others receivers. Each
 version's bytes are checked bitwise on every receiver, and each broadcast is timed:
 
-    python scripts/gpu/broadcast_check.py [--gib 1] [--bucket-mib 256] [--versions 5] [--gpus N]
+    python scripts/multi_gpu/broadcast_check.py [--gib 1] [--bucket-mib 256] [--versions 5] [--gpus N]
 
 With --kill the last rank then dies (os._exit) before the next broadcast: the sender and the survivors must get
 BroadcastFailed within --timeout (and live on), then the survivors form generation 2 and check a version bitwise
