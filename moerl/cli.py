@@ -183,7 +183,8 @@ def _export(argv: list[str]) -> int:
         for warning in _export_warnings(store, step):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         out = export_policy(args.checkpoint_dir, args.out_dir, step, dtype=args.dtype, source=args.source,
-                            timeout_s=args.timeout, progress=lambda text: print(f"export: {text}", flush=True))
+                            timeout_s=args.timeout, progress=lambda text: print(f"export: {text}", flush=True),
+                            warn=lambda text: print(f"warning: {text}", file=sys.stderr, flush=True))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -201,9 +202,14 @@ def _export_warnings(store, step: int) -> list[str]:
 
     out = []
     newer = [s for s in store.step_dirs() if s > step]
-    if newer:
-        out.append(f"step {step} is not the newest step under {store.root}: step {newer[-1]}'s save did not finish "
-                   "(it was never committed)")
+    committed = [s for s in store.committed_steps() if s > step] if newer else []
+    if committed:  # --step of an older step: the newer ones are committed, not "never committed"
+        out.append(f"step {step} is not the newest committed step under {store.root}: step {committed[-1]} is "
+                   "(export it without --step)")
+    unfinished = [s for s in newer if s not in committed]
+    if unfinished and unfinished[-1] > max(committed, default=step):
+        out.append(f"step {unfinished[-1]} under {store.root} is newer than step {max(committed, default=step)}, but "
+                   "its save did not finish (it was never committed)")
     if "://" not in store.root:
         run_dir = Path(store.root).parent
         last = last_logged_step(run_dir)
