@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from moerl import config_loader
 from moerl.checks import ConfigError, require
 from moerl.config_loader import COMMAND_LINE, config_to_dict, dump_toml
-from moerl.redact import looks_secret
+from moerl.redact import looks_secret, secret_in_value
 from moerl.train.config import LossConfig, OptimConfig
 
 __all__ = ["COMMAND_LINE", "MOVED_KEYS", "ConfigError", "MoerlConfig", "config_from_dict", "config_to_dict",
@@ -511,7 +511,9 @@ class LaunchConfig:
     tolerations: list[str] = field(default_factory=lambda: ["nvidia.com/gpu:NoSchedule"])
     """`key[=value][:effect]`"""
     env: dict[str, str] = field(default_factory=dict)
-    """extra environment for every pod (plain values: no secrets)"""
+    """extra environment for every pod, printed in the manifests: a credential by its name (HF_TOKEN) or its value (a
+    URL with a password, an sk-..., ghp_..., AKIA... token) is refused; such a variable goes in `secret_env`
+    """
     secret_env: dict[str, str] = field(default_factory=dict)
     """environment from Kubernetes Secrets for every pod: NAME -> "secret-name/key" (valueFrom.secretKeyRef); the
     values never enter the manifests, the dry run or the config the pods receive (docs/eks.md)
@@ -543,9 +545,12 @@ class LaunchConfig:
                     f"entry {spec!r} is not `key[=value][:NoSchedule|PreferNoSchedule|NoExecute]`")
         require(all(p.startswith("/") for p in self.volumes.values()), "volumes", "mount paths must be absolute")
         require(1 <= self.ray_port <= 65535, "ray_port", "must be a TCP port")
-        for name in self.env:
+        for name, value in self.env.items():
             require(not looks_secret(name), "env", f"entry {name!r} looks like a credential: plain env is "
                     "printed in the manifests; put it in a Kubernetes Secret and name it in launch.secret_env")
+            held = secret_in_value(str(value))  # a neutral name may hold one too (DATABASE_URL, an sk-... token)
+            require(held is None, "env", f"entry {name!r} holds {held} (not shown): plain env is printed in the "
+                    "manifests; put it in a Kubernetes Secret and name it in launch.secret_env")
         for name, ref in self.secret_env.items():
             require(_ENV_NAME.fullmatch(name) is not None, "secret_env",
                     f"name {name!r} is not an environment variable name")
