@@ -177,10 +177,12 @@ class Prepared:
     lock: RunLock | None = None  # the run directory's, held until the run ends (moerl/run_dir.py)
     complete: bool = False  # --resume of a checkpoint at train.steps: nothing to train
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the run says as it starts
+    checkpoint_lock: RunLock | None = None  # a local checkpoint.dir's: no other run saves there meanwhile
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        for lock in (self.checkpoint_lock, self.lock):
+            if lock is not None:
+                lock.release()
 
 
 def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None,
@@ -193,6 +195,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
     run_dir = Path(cfg.run.dir)
     new_dirs = [d for d in (run_dir, Path(cfg.checkpoint_dir())) if "://" not in str(d) and not d.exists()]
     lock = RunLock(run_dir)
+    checkpoint_lock = _checkpoint_lock(cfg.checkpoint_dir(), run_dir)
     notes = []
     try:
         preflight.check_device(cfg)
@@ -202,6 +205,8 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             notes.append(f"run.dir {run_dir}: took over {lock.took_over}")
         store = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s)
         store.probe()  # a run that cannot save finds out now, not at its first save (within the deadline)
+        if checkpoint_lock is not None:  # before the checks that look for steps there, as the run.dir's
+            checkpoint_lock.acquire()
         if not resume:
             preflight.check_no_run(run_dir, store)
         checked_arch = preflight.check_model(cfg.model.path) if cfg.model.path else None
@@ -235,12 +240,25 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
 
             import_wandb()  # WandbMissing: one line naming `pip install wandb`
     except BaseException:
+        if checkpoint_lock is not None:
+            checkpoint_lock.release()
         lock.release()
         for d in reversed(new_dirs):  # a run that did not start leaves no directory behind (only empty ones go)
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-    return Prepared(task, arch, step, plan, lock, complete, notes)
+    return Prepared(task, arch, step, plan, lock, complete, notes, checkpoint_lock)
+
+
+def _checkpoint_lock(checkpoint_dir: str, run_dir: Path) -> RunLock | None:
+    """The lock of a local checkpoint.dir (its own `moerl.lock`; none on S3, which has no flock, nor when it is the
+    run directory itself, locked already)."""
+    if "://" in checkpoint_dir:
+        return None
+    path = Path(checkpoint_dir)
+    if path.resolve() == run_dir.resolve():
+        return None
+    return RunLock(path, "checkpoint.dir")
 
 
 class StopSignals:
@@ -299,9 +317,10 @@ def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken) -> bool:
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if not address:
-        token.open()
+        token.open()  # the run's private directory: its token and Ray's temp dir (no 0777 session directories)
     init = {"address": address} if address else {
-        "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+        "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+        "_temp_dir": token.ray_temp_dir}
     env_vars = {"OMP_NUM_THREADS": "1"}
     loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "") if not address else ""
     if loopback:  # gloo's connections of a local run stay on loopback (by default it listens on the host's IP)
