@@ -410,6 +410,10 @@ class CheckpointConfig:
         require(self.every >= 0, "every", "must be >= 0 (0 = no periodic saves)")
         require(re.match(r"s3a?://[^/]", self.dir) is not None or not self.dir.startswith(("s3://", "s3a://")), "dir",
                 "must be s3://bucket/prefix with a bucket named")
+        scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", self.dir)
+        require(scheme is None or scheme.group(1) in ("s3", "s3a"), "dir",
+                f"has the scheme {scheme.group(1) + '://' if scheme else ''!r}, which moerl cannot store checkpoints "
+                "through: a local path or s3://bucket/prefix")
         require(self.keep >= 1, "keep", "must be >= 1")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
         require(self.max_failures >= 1, "max_failures", "must be >= 1")
