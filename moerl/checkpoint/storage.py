@@ -25,6 +25,7 @@ checksum for each of its files is refused: a missing table must not turn the che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -416,11 +417,16 @@ def _write_durably(path: str, data: bytes) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no zero-byte temporary left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     _fsync_dir(directory)
 
 
