@@ -88,7 +88,9 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           deterministic=cfg.run.deterministic, seed=cfg.run.seed, kv_block_size=r.kv_block_size,
                           kv_cache_tokens=r.kv_cache_tokens, gpu_memory_fraction=r.gpu_memory_fraction * share,
                           prefix_caching=r.prefix_caching,
-                          overlap_decode={"auto": None, "on": True, "off": False}[r.overlap_decode])
+                          overlap_decode={"auto": None, "on": True, "off": False}[r.overlap_decode],
+                          # a model's embedding padded past the tokenizer's ids: those are never sampled
+                          vocab_limit=task.tokenizer.vocab_size if task.tokenizer.vocab_size < arch.vocab_size else 0)
     t = cfg.train
     worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),
