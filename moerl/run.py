@@ -219,6 +219,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             raise PreflightError(str(e)) from e
         preflight.check_tokenizer(task, arch)
         preflight.check_expert_split(cfg, arch)
+        preflight.check_capacity(cfg, arch)
         preflight.check_deterministic(cfg, resolve_device(cfg))
         try:
             plan = eval_plan(cfg, task)  # opens the eval set: a bad one fails here
