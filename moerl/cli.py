@@ -2,8 +2,7 @@
 
     moerl train configs/demo.toml [--resume] [--section.key=value ...]   # the RL job (`make demo` runs this)
     moerl config configs/demo.toml --train.steps=20   # print the resolved config
-    moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
-    moerl bench dispatch [--help]
+    moerl bench NAME [--help]               # benchmarks (listed below); see BENCHMARKS.md
     moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR] [--force] [--timeout S]   # the policy as a Hugging Face directory
     moerl launch configs/demo.toml --scheduler local_cwd     # TorchX: local or EKS (docs/eks.md)
     moerl --version
@@ -77,6 +76,11 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _bench(argv: list[str]) -> int:
+    if argv[:1] and argv[0] in BENCHES and {"-h", "--help"} & set(argv[1:]):
+        from moerl.bench import options
+
+        if argv[0] in options.OPTIONS:  # the options without the benchmark's module (which imports torch)
+            options.parser(argv[0]).parse_args(argv[1:])  # prints the help and exits 0
     if not argv or argv[0] not in BENCHES:
         print(f"usage: moerl bench {{{','.join(BENCHES)}}} [options]\n\nbenchmarks (see BENCHMARKS.md): "
               f"{', '.join(BENCHES)}; `moerl bench NAME --help` lists each one's options",
@@ -243,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             print("moerl (not installed: version unknown)")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        parser = argparse.ArgumentParser(prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = argparse.ArgumentParser(prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                         epilog=textwrap.fill(f"benchmarks (moerl bench NAME): {', '.join(BENCHES)}", 112))
         parser.add_argument("command", choices=sorted(COMMANDS))
         parser.print_help()
         return 0 if argv and argv[0] in ("-h", "--help") else 2

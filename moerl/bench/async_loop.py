@@ -22,22 +22,12 @@ import threading
 import time
 from pathlib import Path
 
+from moerl.bench import options
 from moerl.bench.common import Row, format_table
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench async", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/demo.toml")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills; 0 = skip the kill run")
-    p.add_argument("--workers", type=int, default=1, help="rollout workers (1 CPU each)")
-    p.add_argument("--out", default="", help="keep the run directories here")
-    p.add_argument("--preset", default="", help="model preset override (e.g. small); default: the config's")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per mode, alternating sync and async; the median is reported (a shared or "
-                        "throttled machine drifts by 10-20%% between runs)")
-    return p.parse_args(argv)
+    return options.parser("async").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _run(args: argparse.Namespace, mode: str, run_dir: Path, kill_every: float = 0.0) -> dict:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table
 
 _MOTO = ("import sys, time, logging; from moto.server import ThreadedMotoServer; "
@@ -34,14 +35,7 @@ _MOTO = ("import sys, time, logging; from moto.server import ThreadedMotoServer;
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench checkpoint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default="", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else a local moto)")
-    p.add_argument("--bucket", default="moerl-bench", help="created if missing")
-    p.add_argument("--size-mb", type=float, default=200.0, help="trainer state size (weights + AdamW moments)")
-    p.add_argument("--iters", type=int, default=3, help="repetitions per measurement (median)")
-    p.add_argument("--threads", type=int, default=4, help="DCP writer threads = files per rank (moerl's default: 4)")
-    return p.parse_args(argv)
+    return options.parser("checkpoint").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _start_moto() -> tuple[subprocess.Popen, str]:

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moerl.bench import options
 from moerl.bench.common import Row, format_table
 from moerl.runlog.run_log import read_jsonl
 
@@ -35,16 +36,7 @@ PHASE_KEYS = ("idle", "train_wait", "publish", "transfer", "controller", "checkp
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench loop", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/demo.toml")
-    p.add_argument("--shape", default="auto", choices=["auto", "cpu", "gpu"])
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (GPU 30, CPU 200)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating; medians reported")
-    p.add_argument("--out", default="", help="keep the run directories here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every run, e.g. --set weights.transport=object_store")
-    return p.parse_args(argv)
+    return options.parser("loop").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _overrides(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from moerl.bench import step_split
+from moerl.bench import options, step_split
 from moerl.bench.common import (Row, device_description, format_table, measure_copy_bandwidth, measure_matmul_peak,
                                 synchronize)
 from moerl.model import MoECausalLM, MoEModelConfig, build_model, tiny_config
@@ -105,24 +105,7 @@ def parameter_count(config: MoEModelConfig) -> int:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench rollout", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="GPU: 0.9b, CPU: tiny")
-    p.add_argument("--requests", type=int, default=None, help="default: the preset's")
-    p.add_argument("--prompt-len", type=int, default=None, help="default: the preset's")
-    p.add_argument("--new-tokens", type=int, default=None, help="default: the preset's")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default: the preset's")
-    p.add_argument("--peer", default=None, help="transformers cache implementations ('dynamic,static'), or "
-                   "'none'; default: both, none for qwen3-30b-a3b")
-    p.add_argument("--peak-bw", type=float, default=None, help="HBM datasheet bandwidth in GB/s for a second "
-                   "floor (default 4800 on an H200, else none); the first is over the measured copy bandwidth")
-    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
-    p.add_argument("--profile", action="store_true", help="print the top ops of 5 decode steps")
-    p.add_argument("--no-split", action="store_true", help="skip the decode step split (a few profiled eager steps)")
-    p.add_argument("--ep-size", type=int, default=1, help="ranks of an expert-parallel engine group (spawned, or "
-                   "torchrun's); > 1 compares it with one engine: see moerl/bench/rollout_ep.py")
-    return p.parse_args(argv)
+    return options.parser("rollout").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _params(n: int, new_tokens: int, temperature: float) -> list[SamplingParams]:
