@@ -47,7 +47,8 @@ def model_architecture(cfg: MoerlConfig, task: Task) -> MoEModelConfig:
         "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                       head_dim=32, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
                       intermediate_size=512),
-        # the 1.65B shape of the GPU measurements (issues 14-15): hidden 1024, 16 layers, 64 experts top-8
+        # the 1.65B shape of the GPU measurements (issues 14-15; 1.65B parameters at the byte vocabulary, 0.24B of
+        # them active per token): hidden 1024, 16 layers, 64 experts top-8
         "medium": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
                        head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
                        intermediate_size=2048),

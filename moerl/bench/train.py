@@ -1,7 +1,11 @@
 """`moerl bench train`: one optimizer step of the RL policy loss, ours against a plain training step.
 
-    python -m moerl.cli bench train                    # 1.65B-active-shape MoE, vocab 151,936, 128 x 2,048 tokens (GPU)
+    python -m moerl.cli bench train                    # GPU: the medium preset's MoE, 128 x 2,048 tokens
     python -m moerl.cli bench train --device cpu       # scaled down: the shape of the costs only
+
+The GPU shape: hidden 1024, 16 layers, 64 experts top-8, vocab 151,936: 1.96B parameters, 0.56B of them active per
+token, 0.40B without the input embedding (a lookup, not a matmul: what MFU counts). It is the medium preset, whose
+"1.65B" is its total at the byte vocabulary.
 
 Ours: PolicyTrainer with float32 master weights, bf16 compute, packed token-budget micro-batches, chunked
 log-probs, activation checkpointing, routing replay. The peer: transformers' Qwen3MoeForCausalLM (grouped_mm
