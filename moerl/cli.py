@@ -247,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             print("moerl (not installed: version unknown)")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        parser = argparse.ArgumentParser(prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                         epilog=textwrap.fill(f"benchmarks (moerl bench NAME): {', '.join(BENCHES)}", 112))
+        parser = argparse.ArgumentParser(
+            prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=textwrap.fill(f"benchmarks (moerl bench NAME): {', '.join(BENCHES)}", 112))
         parser.add_argument("command", choices=sorted(COMMANDS))
         parser.print_help()
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -54,6 +54,12 @@ def _peer_block(config: MoEModelConfig, impl: str, ours: SparseMoEBlock):
     return block
 
 
+def expert_gemm_flops(T: int, K: int, D: int, I: int) -> int:
+    """FLOPs of the expert GEMMs of one forward + backward: each of T tokens through K experts, a gate-up [D, 2I]
+    and a down [I, D] projection (2 FLOPs a multiply-add), forward once and backward twice (input and weight)."""
+    return 3 * 2 * T * K * (D * 2 * I + I * D)
+
+
 def _step(forward, params, x_TD: torch.Tensor, grad_TD: torch.Tensor):
     def run():
         for p in params:
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     gemm_grad_ND = torch.randn_like(x_ND)
     gemm_step = _step(lambda x: ours.experts(x, counts_L), list(ours.experts.parameters()), x_ND, gemm_grad_ND)
     gemm_s = time_fn(gemm_step, device, warmup=args.warmup, iters=args.iters)
-    gemm_flops = 3 * 2 * T * K * (D * 2 * I + I * D)  # forward + two backward GEMMs each
+    gemm_flops = expert_gemm_flops(T, K, D, I)
     peak = measure_matmul_peak(device)
     if args.profile:
         _profile("moerl", ours_step, device)
