@@ -290,7 +290,9 @@ class TrainConfig:
     time_limit_s: float = 0.0
     """RL ends after this many seconds (saved as on a graceful stop) if `steps` are not done; 0 = none"""
     step_timeout_s: float = 1800.0
-    """no step for this long ends the run (exit 1), naming what it waits for; warned at each quarter; 0 = off"""
+    """no step for this long (from the previous step's end, or from the first rollout worker up) ends the run
+    (exit 1), naming what it waits for; warned at each quarter; 0 = off
+    """
     max_failed_fraction: float = 0.5
     """prompt groups failed for good, or samples whose reward failed, over this share of the last `failure_window`
     of them end the run (exit 1) naming the first; 1 = never (a run that trains no sample always fails)
