@@ -265,6 +265,10 @@ class TrainConfig:
     """torch threads per trainer rank"""
     collective_timeout_s: float = 300.0
     """a rank silent this long in a step is named as the straggler"""
+    start_timeout_s: float = 600.0
+    """placing and building the trainer ranks (their model loaded, their group joined) may take this long; past it
+    the run stops, naming the ranks not up and what each asks of the cluster
+    """
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     """parameters and AdamW state (compute: model.dtype)"""
     micro_batch_tokens: int = 0
@@ -330,6 +334,7 @@ class TrainConfig:
         require(self.behaviour_kl_bound >= 0, "behaviour_kl_bound", "must be >= 0 (0 = off)")
         require(self.time_limit_s >= 0, "time_limit_s", "must be >= 0 (0 = none)")
         require(self.step_timeout_s >= 0, "step_timeout_s", "must be >= 0 (0 = off)")
+        require(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
         require(0 < self.max_failed_fraction <= 1, "max_failed_fraction", "must be in (0, 1] (1 = never)")
         require(self.failure_window >= 1, "failure_window", "must be >= 1")
 
@@ -450,9 +455,14 @@ class RayConfig:
     """before Ray starts, `address` (or RAY_ADDRESS) must accept a connection within this (Ray itself retried an
     unreachable address for minutes)
     """
+    start_timeout_s: float = 300.0
+    """starting the local Ray (or joining `address`) may take this long; past it the run stops, saying so (a run
+    sat in Ray's start-up for over an hour on a loaded machine, holding its run lock)
+    """
 
     def validate(self) -> None:
         require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
+        require(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -24,12 +24,14 @@ gone, never while it runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 
 from moerl.run_dir import process_alive, process_start
 
@@ -44,6 +46,24 @@ def loopback_env(local: bool) -> None:
     if local and "ray" not in sys.modules:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         os.environ.setdefault(LOOPBACK, "0")
+
+
+@contextlib.contextmanager
+def quiet_thread_warning() -> Iterator[None]:
+    """Ray warns "SIGTERM handler is not set because current thread is not the main thread" when ray.init runs off
+    the main thread, as the run's start does (moerl/startup.py): the driver sets its own handler then, so the line
+    would only alarm. Only that message of Ray's worker logger is held back."""
+    import logging
+
+    logger = logging.getLogger("ray._private.worker")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _reset_ray_token_cache() -> None:

@@ -33,6 +33,7 @@ from moerl.resume import check_config, saved_config
 from moerl.resume import complete as is_complete
 from moerl.resume import statement as resume_statement
 from moerl.run_dir import RunLock
+from moerl.startup import StartupStopped, run_within
 from moerl.rollout import EngineConfig, SamplingParams
 from moerl.tasks.base import Task, stop_token_ids
 from moerl.train.trainer import Sample
@@ -312,9 +313,12 @@ def _local_ray_auth(cfg: MoerlConfig) -> None:
     local_ray.loopback_env(not _joins_cluster(cfg))
 
 
-def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken) -> bool:
+def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken, stop: Callable[[], bool] = lambda: False,
+              keep: threading.Event | None = None) -> bool:
     """Join `ray.address` (or RAY_ADDRESS), else start a private local Ray on 127.0.0.1 with the run's own token
-    (`token`, closed by the caller after ray.shutdown); True if we started it."""
+    (`token`, closed by the caller after ray.shutdown); True if we started it. Within ray.start_timeout_s (else
+    StartupTimeout), from a thread that holds SIGTERM, so that Ray's processes leave a process group's SIGTERM to
+    this driver, and that lives until `keep` is set (after ray.shutdown): see moerl/startup.py."""
     import ray
 
     if ray.is_initialized():
@@ -329,7 +333,12 @@ def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken) -> bool:
     loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "") if not address else ""
     if loopback:  # gloo's connections of a local run stay on loopback (by default it listens on the host's IP)
         env_vars["GLOO_SOCKET_IFNAME"] = loopback
-    ray.init(**init, log_to_driver=cfg.run.log_level == "debug", runtime_env={"env_vars": env_vars})
+    what = f"joining the Ray cluster at {address}" if address else "starting a local Ray"
+    with local_ray.quiet_thread_warning():
+        run_within(lambda: ray.init(**init, log_to_driver=cfg.run.log_level == "debug",
+                                    runtime_env={"env_vars": env_vars}),
+                   deadline_s=cfg.ray.start_timeout_s, what=what, key="ray.start_timeout_s", stop=stop,
+                   hold_sigterm=True, keep_until=keep)
     return True
 
 
@@ -390,6 +399,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     stop = signals.event
     ours = not ray.is_initialized()  # Ray is started (or joined) here, so shut down here, however the run ends
     token = local_ray.RunToken()  # a local Ray's own token file (moerl/local_ray.py), removed after ray.shutdown
+    ray_thread = threading.Event()  # set after ray.shutdown: the thread that started Ray may end (moerl/startup.py)
     report = None
     t_start = time.monotonic()
     last: dict = {}
@@ -414,10 +424,20 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
             address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
             report.stage(f"joining Ray at {address}" if address else
                          f"starting a local Ray ({cfg.ray.num_cpus or 'all'} CPUs)")
-        _init_ray(cfg, token)
-        signals.install()  # again: ray.init replaced the SIGTERM handler
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until ours is back: Ray's aborts
+        try:
+            _init_ray(cfg, token, stop.is_set, ray_thread)
+        except StartupStopped:
+            return result(0, nothing_trained=True)
+        finally:
+            signals.install()  # again: ray.init put in its own (C++) SIGTERM handler
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         report.stage(f"starting {cfg.train.num_ranks} trainer rank{'s' * (cfg.train.num_ranks > 1)}")
-        trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
+        try:
+            trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank,
+                                      cfg.train.gpus_per_rank, cfg.train.start_timeout_s, stop.is_set)
+        except StartupStopped:  # stopped while the ranks were placed and built: nothing trained, nothing to save
+            return result(0, nothing_trained=True)
         if resuming:
             report.stage(f"loading checkpoint step {prepared.resume_step} under {cfg.checkpoint_dir()}")
         restored = (checkpointer.restore(trainer, step=prepared.resume_step, verified=True) if resuming else None)
@@ -493,6 +513,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                 if ours and ray.is_initialized():
                     ray.shutdown()
         finally:
+            ray_thread.set()
             token.close()
             if report is not None:
                 report.close()  # waits for the plots
