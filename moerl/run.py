@@ -33,8 +33,8 @@ from moerl.resume import check_config, saved_config
 from moerl.resume import complete as is_complete
 from moerl.resume import statement as resume_statement
 from moerl.run_dir import RunLock
-from moerl.startup import StartupStopped, run_within
 from moerl.rollout import EngineConfig, SamplingParams
+from moerl.startup import StartupStopped, run_within
 from moerl.tasks.base import Task, stop_token_ids
 from moerl.train.trainer import Sample
 
