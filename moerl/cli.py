@@ -2,8 +2,7 @@
 
     moerl train configs/demo.toml [--resume] [--section.key=value ...]   # the RL job (`make demo` runs this)
     moerl config configs/demo.toml --train.steps=20   # print the resolved config
-    moerl bench moe-layer [--help]          # benchmarks; see BENCHMARKS.md
-    moerl bench dispatch [--help]
+    moerl bench NAME [--help]               # benchmarks (listed below); see BENCHMARKS.md
     moerl export CHECKPOINT_DIR OUT_DIR [--step N] [--source DIR] [--force] [--timeout S]   # the policy as a Hugging Face directory
     moerl launch configs/demo.toml --scheduler local_cwd     # TorchX: local or EKS (docs/eks.md)
     moerl --version
@@ -26,6 +25,11 @@ BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispat
 
 
 def _bench(argv: list[str]) -> int:
+    if argv[:1] and argv[0] in BENCHES and {"-h", "--help"} & set(argv[1:]):
+        from moerl.bench import options
+
+        if argv[0] in options.OPTIONS:  # the options without the benchmark's module (which imports torch)
+            options.parser(argv[0]).parse_args(argv[1:])  # prints the help and exits 0
     if not argv or argv[0] not in BENCHES:
         print(f"usage: moerl bench {{{','.join(BENCHES)}}} [options]\n\nbenchmarks (see BENCHMARKS.md): "
               f"{', '.join(BENCHES)}; `moerl bench NAME --help` lists each one's options",
@@ -135,7 +139,8 @@ def _export(argv: list[str]) -> int:
         for warning in _export_warnings(store, step):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         out = export_policy(args.checkpoint_dir, args.out_dir, step, dtype=args.dtype, source=args.source,
-                            timeout_s=args.timeout, progress=lambda text: print(f"export: {text}", flush=True))
+                            timeout_s=args.timeout, progress=lambda text: print(f"export: {text}", flush=True),
+                            warn=lambda text: print(f"warning: {text}", file=sys.stderr, flush=True))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -153,9 +158,14 @@ def _export_warnings(store, step: int) -> list[str]:
 
     out = []
     newer = [s for s in store.step_dirs() if s > step]
-    if newer:
-        out.append(f"step {step} is not the newest step under {store.root}: step {newer[-1]}'s save did not finish "
-                   "(it was never committed)")
+    committed = [s for s in store.committed_steps() if s > step] if newer else []
+    if committed:  # --step of an older step: the newer ones are committed, not "never committed"
+        out.append(f"step {step} is not the newest committed step under {store.root}: step {committed[-1]} is "
+                   "(export it without --step)")
+    unfinished = [s for s in newer if s not in committed]
+    if unfinished and unfinished[-1] > max(committed, default=step):
+        out.append(f"step {unfinished[-1]} under {store.root} is newer than step {max(committed, default=step)}, but "
+                   "its save did not finish (it was never committed)")
     if "://" not in store.root:
         run_dir = Path(store.root).parent
         last = last_logged_step(run_dir)
@@ -186,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             print("moerl (not installed: version unknown)")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        parser = argparse.ArgumentParser(prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = argparse.ArgumentParser(
+            prog="moerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=textwrap.fill(f"benchmarks (moerl bench NAME): {', '.join(BENCHES)}", 112))
         parser.add_argument("command", choices=sorted(COMMANDS))
         parser.print_help()
         return 0 if argv and argv[0] in ("-h", "--help") else 2

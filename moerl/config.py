@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from moerl import config_loader
 from moerl.checks import ConfigError, require
 from moerl.config_loader import COMMAND_LINE, config_to_dict, dump_toml
-from moerl.redact import looks_secret
+from moerl.redact import looks_secret, secret_in_value
 from moerl.train.config import LossConfig, OptimConfig
 
 __all__ = ["COMMAND_LINE", "MOVED_KEYS", "ConfigError", "MoerlConfig", "config_from_dict", "config_to_dict",
@@ -265,6 +265,10 @@ class TrainConfig:
     """torch threads per trainer rank"""
     collective_timeout_s: float = 300.0
     """a rank silent this long in a step is named as the straggler"""
+    start_timeout_s: float = 600.0
+    """placing and building the trainer ranks (their model loaded, their group joined) may take this long; past it
+    the run stops, naming the ranks not up and what each asks of the cluster
+    """
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     """parameters and AdamW state (compute: model.dtype)"""
     micro_batch_tokens: int = 0
@@ -290,7 +294,9 @@ class TrainConfig:
     time_limit_s: float = 0.0
     """RL ends after this many seconds (saved as on a graceful stop) if `steps` are not done; 0 = none"""
     step_timeout_s: float = 1800.0
-    """no step for this long ends the run (exit 1), naming what it waits for; warned at each quarter; 0 = off"""
+    """no step for this long (from the previous step's end, or from the first rollout worker up) ends the run
+    (exit 1), naming what it waits for; warned at each quarter; 0 = off
+    """
     max_failed_fraction: float = 0.5
     """prompt groups failed for good, or samples whose reward failed, over this share of the last `failure_window`
     of them end the run (exit 1) naming the first; 1 = never (a run that trains no sample always fails)
@@ -328,6 +334,7 @@ class TrainConfig:
         require(self.behaviour_kl_bound >= 0, "behaviour_kl_bound", "must be >= 0 (0 = off)")
         require(self.time_limit_s >= 0, "time_limit_s", "must be >= 0 (0 = none)")
         require(self.step_timeout_s >= 0, "step_timeout_s", "must be >= 0 (0 = off)")
+        require(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
         require(0 < self.max_failed_fraction <= 1, "max_failed_fraction", "must be in (0, 1] (1 = never)")
         require(self.failure_window >= 1, "failure_window", "must be >= 1")
 
@@ -410,6 +417,10 @@ class CheckpointConfig:
         require(self.every >= 0, "every", "must be >= 0 (0 = no periodic saves)")
         require(re.match(r"s3a?://[^/]", self.dir) is not None or not self.dir.startswith(("s3://", "s3a://")), "dir",
                 "must be s3://bucket/prefix with a bucket named")
+        scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", self.dir)
+        require(scheme is None or scheme.group(1) in ("s3", "s3a"), "dir",
+                f"has the scheme {scheme.group(1) + '://' if scheme else ''!r}, which moerl cannot store checkpoints "
+                "through: a local path or s3://bucket/prefix")
         require(self.keep >= 1, "keep", "must be >= 1")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
         require(self.max_failures >= 1, "max_failures", "must be >= 1")
@@ -444,9 +455,14 @@ class RayConfig:
     """before Ray starts, `address` (or RAY_ADDRESS) must accept a connection within this (Ray itself retried an
     unreachable address for minutes)
     """
+    start_timeout_s: float = 300.0
+    """starting the local Ray (or joining `address`) may take this long; past it the run stops, saying so (a run
+    sat in Ray's start-up for over an hour on a loaded machine, holding its run lock)
+    """
 
     def validate(self) -> None:
         require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
+        require(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -511,7 +527,9 @@ class LaunchConfig:
     tolerations: list[str] = field(default_factory=lambda: ["nvidia.com/gpu:NoSchedule"])
     """`key[=value][:effect]`"""
     env: dict[str, str] = field(default_factory=dict)
-    """extra environment for every pod (plain values: no secrets)"""
+    """extra environment for every pod, printed in the manifests: a credential by its name (HF_TOKEN) or its value (a
+    URL with a password, an sk-..., ghp_..., AKIA... token) is refused; such a variable goes in `secret_env`
+    """
     secret_env: dict[str, str] = field(default_factory=dict)
     """environment from Kubernetes Secrets for every pod: NAME -> "secret-name/key" (valueFrom.secretKeyRef); the
     values never enter the manifests, the dry run or the config the pods receive (docs/eks.md)
@@ -543,9 +561,12 @@ class LaunchConfig:
                     f"entry {spec!r} is not `key[=value][:NoSchedule|PreferNoSchedule|NoExecute]`")
         require(all(p.startswith("/") for p in self.volumes.values()), "volumes", "mount paths must be absolute")
         require(1 <= self.ray_port <= 65535, "ray_port", "must be a TCP port")
-        for name in self.env:
+        for name, value in self.env.items():
             require(not looks_secret(name), "env", f"entry {name!r} looks like a credential: plain env is "
                     "printed in the manifests; put it in a Kubernetes Secret and name it in launch.secret_env")
+            held = secret_in_value(str(value))  # a neutral name may hold one too (DATABASE_URL, an sk-... token)
+            require(held is None, "env", f"entry {name!r} holds {held} (not shown): plain env is printed in the "
+                    "manifests; put it in a Kubernetes Secret and name it in launch.secret_env")
         for name, ref in self.secret_env.items():
             require(_ENV_NAME.fullmatch(name) is not None, "secret_env",
                     f"name {name!r} is not an environment variable name")

@@ -74,9 +74,8 @@ class _Context(NamedTuple):
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+    try:  # a UTF-8 byte-order mark (Windows editors write one) is no TOML statement: read past it
+        return tomllib.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as err:

@@ -1,9 +1,10 @@
-"""A private local Ray (no `ray.address`): confined to loopback, behind a token of its own run.
+"""A private local Ray (no `ray.address`): confined to loopback, behind a token of its own run, its files in a
+directory only this user can enter.
 
     loopback_env(local=True)            # before Ray is imported: token auth, and 127.0.0.1 as the node's address
-    token = RunToken(); token.open()    # just before ray.init: a fresh token, in a 0600 file
-    ...
-    ray.shutdown(); token.close()       # the file and its directory are gone
+    token = RunToken(); token.open()    # just before ray.init: the run's private (0700) directory, a fresh token
+    ray.init(_temp_dir=token.ray_temp_dir, ...)
+    ray.shutdown(); token.close()       # the directory and all in it are gone
 
 Ray takes the address a node listens on from its node IP, and `ray.init(_node_ip_address="127.0.0.1")` does not
 hold: Ray swaps a loopback address for the host's routed one. Its own switch for single-machine Ray
@@ -12,22 +13,32 @@ GCS, raylet, object manager, agents and workers listen on loopback only (tests/i
 lists every listener of a run). A caller that imported Ray before (a notebook, the in-process tests) keeps its own
 settings: Ray then listens on every interface, behind its token when RAY_AUTH_MODE=token.
 
-The token: Ray would write ~/.ray/auth_token world-readable (0644), shared by every run of the user and kept for
-ever. A local run gets its own, in a 0600 file under a private (0700) temporary directory, named to Ray's
-processes by RAY_AUTH_TOKEN_PATH, and removed when the run ends. A token the environment names already
-(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) is used as it is.
+The directory (`moerl-ray-XXXXXXXX` under the system temp dir, 0700): Ray would write ~/.ray/auth_token
+world-readable (0644), shared by every run of the user and kept for ever, and its session directories under
+/tmp/ray are 0777. A local run gets its own token, in a 0600 file there, named to Ray's processes by
+RAY_AUTH_TOKEN_PATH, and Ray's temp dir (`ray/`, its sessions, sockets and logs) beside it. A token the environment
+names already (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) is used as it is. The directory records its owner (pid and
+process start): one left by a run that was killed (SIGKILL leaves it) is removed at the next start, once its owner is
+gone, never while it runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+
+from moerl.run_dir import process_alive, process_start
 
 LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address is 127.0.0.1 (ray/_private/services.py)
 TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+PREFIX = "moerl-ray-"  # the private directories' names under the temp dir
+OWNER_FILE = "owner.json"  # in each: the pid and process start of the run that made it
 
 
 def loopback_env(local: bool) -> None:
@@ -35,6 +46,24 @@ def loopback_env(local: bool) -> None:
     if local and "ray" not in sys.modules:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         os.environ.setdefault(LOOPBACK, "0")
+
+
+@contextlib.contextmanager
+def quiet_thread_warning() -> Iterator[None]:
+    """Ray warns "SIGTERM handler is not set because current thread is not the main thread" when ray.init runs off
+    the main thread, as the run's start does (moerl/startup.py): the driver sets its own handler then, so the line
+    would only alarm. Only that message of Ray's worker logger is held back."""
+    import logging
+
+    logger = logging.getLogger("ray._private.worker")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _reset_ray_token_cache() -> None:
@@ -45,33 +74,80 @@ def _reset_ray_token_cache() -> None:
 
 
 class RunToken:
-    """The run's own Ray token file (see the module doc); `open` and `close` may each be called any number of
-    times, `close` undoing only what `open` did."""
+    """The run's private directory (see the module doc): its Ray token and Ray's temp dir. `open` and `close` may each
+    be called any number of times, `close` undoing only what `open` did. base: where the directory goes (default:
+    the system temp dir, or /tmp when that path is too long for Ray's socket names)."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: str | None = None) -> None:
+        self.base = base
         self.directory: str | None = None
+        self._token = False  # whether a token file of ours is there
 
     @property
     def path(self) -> str | None:
-        return os.path.join(self.directory, "auth_token") if self.directory else None
+        """The token file, when this run wrote one."""
+        return os.path.join(self.directory, "auth_token") if self.directory and self._token else None
+
+    @property
+    def ray_temp_dir(self) -> str | None:
+        """Ray's temp dir (`ray.init(_temp_dir=...)`), inside the private directory once it is open."""
+        return os.path.join(self.directory, "ray") if self.directory else None
 
     def open(self) -> None:
-        if self.directory is not None or os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        if self.directory is not None:
+            return
+        base = self.base or _temp_base()
+        remove_stale(base)
+        self.directory = tempfile.mkdtemp(prefix=PREFIX, dir=base)  # 0700
+        with open(os.path.join(self.directory, OWNER_FILE), "w") as f:
+            json.dump({"pid": os.getpid(), "proc_start": process_start(os.getpid())}, f)
+        if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
             return
         if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get(TOKEN_PATH):
             return  # the environment's token stands
-        self.directory = tempfile.mkdtemp(prefix="moerl-ray-")  # 0700
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(os.path.join(self.directory, "auth_token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
+        self._token = True
         os.environ[TOKEN_PATH] = self.path  # Ray's processes inherit it from this one
         _reset_ray_token_cache()
 
     def close(self) -> None:
         if self.directory is None:
             return
-        if os.environ.get(TOKEN_PATH) == self.path:
+        if self._token and os.environ.get(TOKEN_PATH) == self.path:
             del os.environ[TOKEN_PATH]
         shutil.rmtree(self.directory, ignore_errors=True)
-        self.directory = None
+        self.directory, self._token = None, False
         _reset_ray_token_cache()
+
+
+def remove_stale(base: str) -> list[str]:
+    """Remove the private directories under `base` that a run of this user left (a SIGKILL skips `close`) and whose
+    owner process is gone; one whose owner runs, or that names none, or another user's, stays. Returns those removed."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = json.load(f)
+            pid, start = owner.get("pid"), owner.get("proc_start")
+        except (OSError, ValueError, AttributeError):
+            continue  # not ours to judge: no owner recorded
+        if isinstance(pid, int) and not process_alive(pid, start):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _temp_base() -> str:
+    """The system temp dir, unless its path would make Ray's socket paths (under the session directory) too long
+    for AF_UNIX (107 bytes): then /tmp."""
+    base = tempfile.gettempdir()
+    return base if len(base) <= 40 else "/tmp"

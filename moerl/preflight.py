@@ -7,6 +7,7 @@
                      whose tensors match config.json by name and shape (no tensor is read)
     task             imports; its options fit its config_class; its data and tokenizer load; prompt 0 builds
                      (and its SFT example when train.sft_steps > 0); the tokenizer's ids fit the model
+    capacity         a group fits one engine (batch, KV cache) and a step's batch half the driver's free memory
     --resume         a committed checkpoint that verifies (sizes and checksums), written with this config;
                      a torn one (a file lost or damaged, or a newer step whose COMMIT was) names the newest intact
                      step and stops the run before anything is written
@@ -185,6 +186,71 @@ def check_expert_split(cfg: MoerlConfig, arch: MoEModelConfig) -> None:
     if cfg.rollout.ep_size > 1 and gpus and gpus != cfg.rollout.ep_size:
         raise PreflightError(f"config key 'rollout.gpus_per_worker' is {gpus}, but an engine of rollout.ep_size = "
                              f"{cfg.rollout.ep_size} ranks takes one GPU per rank: set it to {cfg.rollout.ep_size}")
+
+
+def check_capacity(cfg: MoerlConfig, arch: MoEModelConfig, available: int | None = None) -> None:
+    """A group fits one engine, and a step's batch the driver's memory (`available` bytes; default: what this
+    machine and its cgroup have free). The worker takes a group's completions into its engine at once and the
+    controller holds a step's samples: a group of 10**8 held the driver at 7.5 GB while workers were called stuck."""
+    r, t = cfg.rollout, cfg.train
+    if r.group_size > r.max_batch_size:
+        raise PreflightError(f"config key 'rollout.group_size' is {r.group_size}, more than one engine's batch "
+                             f"(rollout.max_batch_size={r.max_batch_size}): a worker samples a group in one engine; "
+                             "lower the group size or raise the batch")
+    kv = r.kv_cache_tokens or (r.max_batch_size * r.max_seq_len if resolve_device_type(cfg) == "cpu" else 0)
+    if kv and r.group_size * r.max_seq_len > kv:  # 0 on a GPU without kv_cache_tokens: sized from its memory later
+        raise PreflightError(f"config key 'rollout.group_size' is {r.group_size}: a group of {r.group_size} x "
+                             f"rollout.max_seq_len={r.max_seq_len} tokens needs {r.group_size * r.max_seq_len} tokens "
+                             f"of KV cache, one engine holds {kv} (rollout.kv_cache_tokens): lower the group size or "
+                             "max_seq_len, or raise rollout.kv_cache_tokens")
+    tokens = t.batch_groups * r.group_size * r.max_seq_len
+    need = tokens * driver_bytes_per_token(arch)
+    free = memory_available() if available is None else available
+    if free and need > free // 2:  # half: the next step's batch arrives while this one trains
+        raise PreflightError(f"config keys 'train.batch_groups' x 'rollout.group_size' x 'rollout.max_seq_len' "
+                             f"({t.batch_groups} x {r.group_size} x {r.max_seq_len} = {tokens} tokens) make a step's "
+                             f"batch of up to {need / 2**30:.1f} GiB in the driver, over half of the "
+                             f"{free / 2**30:.1f} GiB of memory free here: lower train.batch_groups or "
+                             "rollout.group_size")
+
+
+def driver_bytes_per_token(arch: MoEModelConfig) -> int:
+    """What one token of a step's batch costs the driver, about: its id, log-prob and version as Python list
+    items (in the completion and again in the trained sample) and its routing (int16, layers x top-k, twice)."""
+    routing = 2 * len(arch.moe_layer_indices) * arch.num_experts_per_tok
+    return 2 * (36 + 32) + 8 + 2 * routing
+
+
+def memory_available() -> int:
+    """Bytes of memory this process could still take: MemAvailable, capped by its cgroup's limit less its use;
+    0 when unknown (not Linux)."""
+    free = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit.isdigit() and int(limit) < 1 << 60:
+                free = min(free, max(0, int(limit) - int(Path(usage_file).read_text().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return free
+
+
+def resolve_device_type(cfg: MoerlConfig) -> str:
+    """"cuda" or "cpu": where the engines run (run.device, auto = cuda when this machine has one)."""
+    if cfg.run.device != "auto":
+        return cfg.run.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_deterministic(cfg: MoerlConfig, device: str) -> None:

@@ -30,7 +30,7 @@ OPERATIONAL = (
     "run.name", "run.dir", "run.device", "run.log_level", "run.wandb", "run.wandb_project", "run.wandb_name",
     "run.wandb_mode",
     "train.steps", "train.time_limit_s", "train.cpus_per_rank", "train.gpus_per_rank", "train.threads",
-    "train.collective_timeout_s", "train.micro_batch_tokens", "train.activation_checkpointing", "train.data_parallel",
+    "train.collective_timeout_s", "train.start_timeout_s", "train.micro_batch_tokens", "train.activation_checkpointing", "train.data_parallel",
     "train.reduce_grads_once",
     "train.behaviour_kl_bound", "train.health", "train.step_timeout_s", "train.max_failed_fraction", "train.failure_window",
     "rollout.num_workers", "rollout.cpus_per_worker", "rollout.gpus_per_worker", "rollout.threads",

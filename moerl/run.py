@@ -34,6 +34,7 @@ from moerl.resume import complete as is_complete
 from moerl.resume import statement as resume_statement
 from moerl.run_dir import RunLock
 from moerl.rollout import EngineConfig, SamplingParams
+from moerl.startup import StartupStopped, run_within
 from moerl.tasks.base import Task, stop_token_ids
 from moerl.train.trainer import Sample
 
@@ -47,7 +48,8 @@ def model_architecture(cfg: MoerlConfig, task: Task) -> MoEModelConfig:
         "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                       head_dim=32, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
                       intermediate_size=512),
-        # the 1.65B shape of the GPU measurements (issues 14-15): hidden 1024, 16 layers, 64 experts top-8
+        # the 1.65B shape of the GPU measurements (issues 14-15; 1.65B parameters at the byte vocabulary, 0.24B of
+        # them active per token): hidden 1024, 16 layers, 64 experts top-8
         "medium": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
                        head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
                        intermediate_size=2048),
@@ -88,7 +90,9 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                           deterministic=cfg.run.deterministic, seed=cfg.run.seed, kv_block_size=r.kv_block_size,
                           kv_cache_tokens=r.kv_cache_tokens, gpu_memory_fraction=r.gpu_memory_fraction * share,
                           prefix_caching=r.prefix_caching,
-                          overlap_decode={"auto": None, "on": True, "off": False}[r.overlap_decode])
+                          overlap_decode={"auto": None, "on": True, "off": False}[r.overlap_decode],
+                          # a model's embedding padded past the tokenizer's ids: those are never sampled
+                          vocab_limit=task.tokenizer.vocab_size if task.tokenizer.vocab_size < arch.vocab_size else 0)
     t = cfg.train
     worker = WorkerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                         engine=engine, sampling=sampling, task_name=cfg.task.name, task_options=dict(cfg.task.options),
@@ -177,10 +181,12 @@ class Prepared:
     lock: RunLock | None = None  # the run directory's, held until the run ends (moerl/run_dir.py)
     complete: bool = False  # --resume of a checkpoint at train.steps: nothing to train
     notes: list[str] = dataclasses.field(default_factory=list)  # lines the run says as it starts
+    checkpoint_lock: RunLock | None = None  # a local checkpoint.dir's: no other run saves there meanwhile
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        for lock in (self.checkpoint_lock, self.lock):
+            if lock is not None:
+                lock.release()
 
 
 def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = None,
@@ -193,6 +199,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
     run_dir = Path(cfg.run.dir)
     new_dirs = [d for d in (run_dir, Path(cfg.checkpoint_dir())) if "://" not in str(d) and not d.exists()]
     lock = RunLock(run_dir)
+    checkpoint_lock = _checkpoint_lock(cfg.checkpoint_dir(), run_dir)
     notes = []
     try:
         preflight.check_device(cfg)
@@ -202,6 +209,8 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             notes.append(f"run.dir {run_dir}: took over {lock.took_over}")
         store = CheckpointStore(cfg.checkpoint_dir(), cfg.checkpoint.storage_timeout_s)
         store.probe()  # a run that cannot save finds out now, not at its first save (within the deadline)
+        if checkpoint_lock is not None:  # before the checks that look for steps there, as the run.dir's
+            checkpoint_lock.acquire()
         if not resume:
             preflight.check_no_run(run_dir, store)
         checked_arch = preflight.check_model(cfg.model.path) if cfg.model.path else None
@@ -212,6 +221,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
             raise PreflightError(str(e)) from e
         preflight.check_tokenizer(task, arch)
         preflight.check_expert_split(cfg, arch)
+        preflight.check_capacity(cfg, arch)
         preflight.check_deterministic(cfg, resolve_device(cfg))
         try:
             plan = eval_plan(cfg, task)  # opens the eval set: a bad one fails here
@@ -235,12 +245,25 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
 
             import_wandb()  # WandbMissing: one line naming `pip install wandb`
     except BaseException:
+        if checkpoint_lock is not None:
+            checkpoint_lock.release()
         lock.release()
         for d in reversed(new_dirs):  # a run that did not start leaves no directory behind (only empty ones go)
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-    return Prepared(task, arch, step, plan, lock, complete, notes)
+    return Prepared(task, arch, step, plan, lock, complete, notes, checkpoint_lock)
+
+
+def _checkpoint_lock(checkpoint_dir: str, run_dir: Path) -> RunLock | None:
+    """The lock of a local checkpoint.dir (its own `moerl.lock`; none on S3, which has no flock, nor when it is the
+    run directory itself, locked already)."""
+    if "://" in checkpoint_dir:
+        return None
+    path = Path(checkpoint_dir)
+    if path.resolve() == run_dir.resolve():
+        return None
+    return RunLock(path, "checkpoint.dir")
 
 
 class StopSignals:
@@ -290,23 +313,32 @@ def _local_ray_auth(cfg: MoerlConfig) -> None:
     local_ray.loopback_env(not _joins_cluster(cfg))
 
 
-def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken) -> bool:
+def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken, stop: Callable[[], bool] = lambda: False,
+              keep: threading.Event | None = None) -> bool:
     """Join `ray.address` (or RAY_ADDRESS), else start a private local Ray on 127.0.0.1 with the run's own token
-    (`token`, closed by the caller after ray.shutdown); True if we started it."""
+    (`token`, closed by the caller after ray.shutdown); True if we started it. Within ray.start_timeout_s (else
+    StartupTimeout), from a thread that holds SIGTERM, so that Ray's processes leave a process group's SIGTERM to
+    this driver, and that lives until `keep` is set (after ray.shutdown): see moerl/startup.py."""
     import ray
 
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if not address:
-        token.open()
+        token.open()  # the run's private directory: its token and Ray's temp dir (no 0777 session directories)
     init = {"address": address} if address else {
-        "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+        "num_cpus": cfg.ray.num_cpus or None, "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+        "_temp_dir": token.ray_temp_dir}
     env_vars = {"OMP_NUM_THREADS": "1"}
     loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "") if not address else ""
     if loopback:  # gloo's connections of a local run stay on loopback (by default it listens on the host's IP)
         env_vars["GLOO_SOCKET_IFNAME"] = loopback
-    ray.init(**init, log_to_driver=cfg.run.log_level == "debug", runtime_env={"env_vars": env_vars})
+    what = f"joining the Ray cluster at {address}" if address else "starting a local Ray"
+    with local_ray.quiet_thread_warning():
+        run_within(lambda: ray.init(**init, log_to_driver=cfg.run.log_level == "debug",
+                                    runtime_env={"env_vars": env_vars}),
+                   deadline_s=cfg.ray.start_timeout_s, what=what, key="ray.start_timeout_s", stop=stop,
+                   hold_sigterm=True, keep_until=keep)
     return True
 
 
@@ -367,6 +399,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
     stop = signals.event
     ours = not ray.is_initialized()  # Ray is started (or joined) here, so shut down here, however the run ends
     token = local_ray.RunToken()  # a local Ray's own token file (moerl/local_ray.py), removed after ray.shutdown
+    ray_thread = threading.Event()  # set after ray.shutdown: the thread that started Ray may end (moerl/startup.py)
     report = None
     t_start = time.monotonic()
     last: dict = {}
@@ -391,10 +424,20 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
             address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
             report.stage(f"joining Ray at {address}" if address else
                          f"starting a local Ray ({cfg.ray.num_cpus or 'all'} CPUs)")
-        _init_ray(cfg, token)
-        signals.install()  # again: ray.init replaced the SIGTERM handler
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until ours is back: Ray's aborts
+        try:
+            _init_ray(cfg, token, stop.is_set, ray_thread)
+        except StartupStopped:
+            return result(0, nothing_trained=True)
+        finally:
+            signals.install()  # again: ray.init put in its own (C++) SIGTERM handler
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         report.stage(f"starting {cfg.train.num_ranks} trainer rank{'s' * (cfg.train.num_ranks > 1)}")
-        trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank, cfg.train.gpus_per_rank)
+        try:
+            trainer = RayTrainerGroup(trainer_spec, cfg.train.num_ranks, cfg.train.cpus_per_rank,
+                                      cfg.train.gpus_per_rank, cfg.train.start_timeout_s, stop.is_set)
+        except StartupStopped:  # stopped while the ranks were placed and built: nothing trained, nothing to save
+            return result(0, nothing_trained=True)
         if resuming:
             report.stage(f"loading checkpoint step {prepared.resume_step} under {cfg.checkpoint_dir()}")
         restored = (checkpointer.restore(trainer, step=prepared.resume_step, verified=True) if resuming else None)
@@ -470,6 +513,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                 if ours and ray.is_initialized():
                     ray.shutdown()
         finally:
+            ray_thread.set()
             token.close()
             if report is not None:
                 report.close()  # waits for the plots

@@ -1,4 +1,6 @@
-"""One run owns its run directory: `<run.dir>/moerl.lock`, held from the checks before Ray to the run's end.
+"""One run owns its run directory: `<run.dir>/moerl.lock`, held from the checks before Ray to the run's end; and
+its local checkpoint directory likewise (`<checkpoint.dir>/moerl.lock`: two runs of different run.dir must not
+save into one checkpoint.dir, each pruning the other's steps).
 
     lock = RunLock(run_dir).acquire()   # PreflightError (one line, the holder's pid, host and start) if in use
     ...
@@ -33,7 +35,7 @@ from moerl.preflight import PreflightError
 LOCK_FILE = "moerl.lock"
 
 
-def _proc_start(pid: int) -> str | None:
+def process_start(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None where unknown."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -42,7 +44,7 @@ def _proc_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]  # after the command name, which may hold spaces and ')'
 
 
-def _alive(pid: int, proc_start: str | None) -> bool:
+def process_alive(pid: int, proc_start: str | None) -> bool:
     """Whether `pid` runs on this host and is the process that wrote the lock (same start tick, when known)."""
     if pid <= 0:
         return False
@@ -52,18 +54,20 @@ def _alive(pid: int, proc_start: str | None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process: alive
-    return proc_start is None or _proc_start(pid) in (None, proc_start)
+    return proc_start is None or process_start(pid) in (None, proc_start)
 
 
 class RunLock:
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, key: str = "run.dir") -> None:
+        """key: the config key the directory comes from, as messages name it (run.dir, checkpoint.dir)."""
         self.run_dir = Path(run_dir)
+        self.key = key
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
         self.took_over: str | None = None  # what was taken over, to be said: "the lock of pid N ..., which ..."
 
     def _record(self) -> bytes:
-        return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
+        return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "proc_start": process_start(os.getpid()),
                            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
 
     def acquire(self) -> RunLock:
@@ -80,8 +84,8 @@ class RunLock:
             except BlockingIOError:
                 holder = _read(fd)
                 os.close(fd)
-                raise PreflightError(f"run.dir {str(self.run_dir)!r} is in use by another run: {_who(holder)} "
-                                     f"(its lock {self.path}): wait for it to end, or choose another --run.dir"
+                raise PreflightError(f"{self.key} {str(self.run_dir)!r} is in use by another run: {_who(holder)} "
+                                     f"(its lock {self.path}): wait for it to end, or choose another --{self.key}"
                                      ) from None
             try:  # the flock is ours: is it still the file at that name (not one a run released meanwhile)?
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
@@ -92,7 +96,7 @@ class RunLock:
                 continue
             self._take_over(fd)
             return self
-        raise PreflightError(f"run.dir {str(self.run_dir)!r}: could not take its lock {self.path} (other runs keep "
+        raise PreflightError(f"{self.key} {str(self.run_dir)!r}: could not take its lock {self.path} (other runs keep "
                              "creating and releasing it)")
 
     def _create(self) -> bool:
@@ -121,13 +125,13 @@ class RunLock:
         """`fd`'s flock is ours: take the lock over if its owner is gone, else refuse."""
         holder = _read(fd)
         pid, host = holder.get("pid"), holder.get("host")
-        if isinstance(pid, int) and host == socket.gethostname() and _alive(pid, holder.get("proc_start")):
+        if isinstance(pid, int) and host == socket.gethostname() and process_alive(pid, holder.get("proc_start")):
             os.close(fd)  # alive without its flock (a filesystem without flocks?): never take a live run's lock
-            raise PreflightError(f"run.dir {str(self.run_dir)!r} is in use by another run: {_who(holder)} (its lock "
-                                 f"{self.path}): wait for it to end, or choose another --run.dir")
+            raise PreflightError(f"{self.key} {str(self.run_dir)!r} is in use by another run: {_who(holder)} (its lock "
+                                 f"{self.path}): wait for it to end, or choose another --{self.key}")
         if isinstance(pid, int) and host != socket.gethostname():
             os.close(fd)
-            raise PreflightError(f"run.dir {str(self.run_dir)!r} is locked by {_who(holder)}, which moerl cannot "
+            raise PreflightError(f"{self.key} {str(self.run_dir)!r} is locked by {_who(holder)}, which moerl cannot "
                                  f"tell from here is over: once it is, delete {self.path}")
         os.ftruncate(fd, 0)
         os.pwrite(fd, self._record(), 0)

@@ -41,8 +41,9 @@ def train_parser() -> argparse.ArgumentParser:
             "SIGTERM or Ctrl-C saves a checkpoint and stops; a second Ctrl-C aborts.", 112),
         epilog=config_sections() + "\n\n" + textwrap.fill(EXIT_CODES, 112))
     parser.add_argument("config", help="TOML config (e.g. configs/demo.toml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
-    parser.add_argument("--resume-step", type=int, metavar="N", help="continue from committed checkpoint step N")
+    which = parser.add_mutually_exclusive_group()  # usage says so: --resume-step names the step --resume would pick
+    which.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    which.add_argument("--resume-step", type=int, metavar="N", help="continue from committed checkpoint step N")
     parser.add_argument("--resume-override", action="append", default=[], metavar="KEY",
                         help="with --resume: accept a changed config KEY (or section) that changes the experiment "
                         "(model, task, group size, loss, optimizer, ...); repeatable")
@@ -57,4 +58,6 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     parser = train_parser()
     args, extra = parser.parse_known_args(argv)
     args.overrides = config_overrides(parser, extra)
+    if args.resume_override and not (args.resume or args.resume_step is not None or args.resume_if_saved):
+        parser.error("--resume-override applies to a resumed run only: add --resume (or --resume-step N)")
     return args

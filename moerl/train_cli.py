@@ -98,8 +98,10 @@ def _prepare_and_train(cfg: MoerlConfig, resume: bool, resume_step: int | None, 
               f"Ctrl-C{_resume_hint(cfg, again)}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001
+        from moerl.runlog.disk import DiskWriteError
+
         _error(e, debug, Path(cfg.run.dir), f" ({again} --resume)" if isinstance(e, TrainerLost) and
-               "--resume" in str(e) else "")
+               "--resume" in str(e) else _resume_hint(cfg, again) if isinstance(e, DiskWriteError) else "")
         return 1
     if result["stopped"] is not None:
         print(_stopped_line(result, again))

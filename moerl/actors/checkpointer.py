@@ -21,6 +21,7 @@ commit ("checkpoint") and each failed save ("warning"); without it a failed save
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -40,6 +41,7 @@ from moerl.checkpoint.untrusted import load_error
 from moerl.loop.types import STATE_CLASSES
 from moerl.model.config import CheckpointError, MoEModelConfig
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # Ray colours its errors' first line
 _RAY_SLICE_S = 1.0  # the longest a save job's Ray call holds off close()
 
 
@@ -154,9 +156,8 @@ class Checkpointer:
     def _failed(self, step: int, error: BaseException) -> None:
         self.failures += 1
         self.failed_total += 1
-        cause = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
         where = self.store.step_path(step)
-        message = f"checkpoint step {step} to {where} failed: {type(error).__name__}: {cause}{_free_space(where)}"
+        message = f"checkpoint step {step} to {where} failed: {failure_cause(error)}{_free_space(where)}"
         if self.failures >= self.max_failures:
             raise CheckpointError(f"{message}; {self.failures} saves in a row failed (checkpoint.max_failures)")
         message += (f"; training goes on, the next save tries again "
@@ -234,6 +235,17 @@ class Checkpointer:
             raise CheckpointError(f"{where}: not a controller state moerl can load: {load_error(e)}") from None
         self.committed = step
         return step, state
+
+
+def failure_cause(error: BaseException) -> str:
+    """A failed save in one line: "<type>: <first line>" of the error a trainer rank raised, not of Ray's wrapper
+    around it (whose first line is `ray::TrainerRank.wait_save() (pid=..., actor_id=...)`): the rank's own names
+    the file and the errno (ENOSPC) or the endpoint (an S3 deadline)."""
+    while isinstance(error, ray.exceptions.RayTaskError) and isinstance(getattr(error, "cause", None), BaseException):
+        error = error.cause
+    name = type(error).__name__.removeprefix("RayTaskError(").removesuffix(")")
+    lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
+    return f"{name}: {lines[0] if lines else repr(error)}"
 
 
 def _in_background(fn: Callable[[], int]) -> Future:

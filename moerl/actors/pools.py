@@ -23,6 +23,7 @@ from moerl.checkpoint.deadline import STORAGE_TIMEOUT_S
 from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.loop.work_queue import WorkQueue
+from moerl.startup import StartupStopped, StartupTimeout
 from moerl.train.trainer import merge_rank_metrics
 from moerl.train.batching import split_by_tokens
 
@@ -39,7 +40,11 @@ def _has_rollout_nodes() -> bool:
 class RayTrainerGroup:
     """N trainer ranks forming one torch.distributed group; a step is one call on every rank."""
 
-    def __init__(self, spec: TrainerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float) -> None:
+    def __init__(self, spec: TrainerSpec, num_ranks: int, cpus_per_rank: float, gpus_per_rank: float,
+                 start_timeout_s: float = 600.0, stop: Callable[[], bool] = lambda: False) -> None:
+        """The ranks are placed, built and joined within start_timeout_s (train.start_timeout_s), else
+        StartupTimeout naming the ranks not up and what each asks for; `stop()` (SIGTERM, Ctrl-C) meanwhile ends
+        the wait with StartupStopped (moerl/startup.py)."""
         options: dict = {"num_cpus": cpus_per_rank, "num_gpus": gpus_per_rank}
         others = []
         if _has_rollout_nodes():  # keep the trainer off spot capacity: nodes without the `rollout` resource
@@ -53,8 +58,16 @@ class RayTrainerGroup:
                 rank_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             self.ranks.append(cls.options(**rank_options).remote(r, num_ranks, spec))
         self.timeout_s = spec.collective_timeout_s
-        master = self.get([self.ranks[0].rendezvous.remote()], "start-up")[0]  # on rank 0's own node
-        self.get([r.join.remote(master) for r in self.ranks], "start-up")  # the group is up
+        deadline = time.monotonic() + start_timeout_s
+        asks = (f"each asks for {cpus_per_rank:g} CPU and {gpus_per_rank:g} GPU (train.cpus_per_rank, "
+                "train.gpus_per_rank)")
+        master_ref = [self.ranks[0].rendezvous.remote()]
+        wait_up(master_ref, deadline, stop, f"trainer rank 0 placed and built ({asks})", start_timeout_s)
+        master = self.get(master_ref, "start-up")[0]  # on rank 0's own node
+        joined = [r.join.remote(master) for r in self.ranks]
+        wait_up(joined, deadline, stop, f"the {num_ranks} trainer ranks placed, built and joined ({asks})",
+                start_timeout_s)
+        self.get(joined, "start-up")  # the group is up
 
     def get(self, refs: list, what: str) -> list:
         """ray.get, with a dead rank named (not a raw ActorDiedError)."""
@@ -116,6 +129,32 @@ class RayTrainerGroup:
             raise TimeoutError(f"trainer step {step}: rank(s) {late} did not finish within {self.timeout_s:.0f} s "
                                "(straggler or hang; the others wait in a collective)")
         return merge_rank_metrics(self.get(refs, f"trainer step {step}"))
+
+
+def wait_up(refs: list, deadline: float, stop: Callable[[], bool], what: str, timeout_s: float,
+            wait: Callable | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    """Return once every ref is done (ready or failed: the caller's ray.get names a failure); StartupStopped as
+    soon as `stop()` holds; StartupTimeout naming the refs not done (by index, as ranks) at `deadline`."""
+    wait = wait or ray.wait
+    while True:
+        _, missing = wait(refs, num_returns=len(refs), timeout=min(1.0, max(0.0, deadline - clock())))
+        if not missing:
+            return
+        if stop():
+            raise StartupStopped(what)
+        if clock() >= deadline:
+            late = [i for i, ref in enumerate(refs) if ref in missing]
+            raise StartupTimeout(f"{what} did not finish within {timeout_s:g} s (train.start_timeout_s): "
+                                 f"{len(late)} of {len(refs)} not up ({', '.join(f'rank {i}' for i in late)}); Ray "
+                                 f"has {_free_resources()} free: the run stops")
+
+
+def _free_resources() -> str:
+    try:
+        free = ray.available_resources()
+    except Exception:  # noqa: BLE001 - only for the message
+        return "an unknown amount"
+    return ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
 
 
 @dataclass

@@ -75,6 +75,10 @@ class RolloutWorker:
         self._eval: EvalRunner | None = None  # built at the first eval chunk
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.preempt("SIGTERM"))
+            # A local Ray's processes start with SIGTERM blocked (moerl/startup.py: a process group's SIGTERM is
+            # the driver's, and a worker is in a process group of its own); one sent to this worker is its
+            # preemption notice (a spot drain forwards it), as on a node of its own.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         if spec.imds_url:
             threading.Thread(target=self._poll_imds, daemon=True, name="moerl-imds").start()
 

@@ -7,6 +7,8 @@ rank 0 has named a rendezvous address on its own node (`rendezvous`), which may 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -51,6 +53,21 @@ class TrainerSpec:
     deterministic: bool = False  # torch's deterministic algorithms (run.deterministic; CPU only, preflight checks)
 
 
+def _leave_sigterm_to_the_driver() -> None:
+    """In a Ray actor, SIGTERM is ignored: stopping the run is the driver's, which saves and then ends the ranks.
+    A rank that died of a SIGTERM sent to every process (systemd's stop, Slurm's scancel) lost the run: "trainer rank
+    0 died during trainer step 5; no checkpoint was committed". (A local Ray's ranks start with it blocked too:
+    moerl/startup.py.) Not in a plain process (a test building a rank), whose signals are its own."""
+    import ray
+
+    try:
+        in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - no Ray context: not an actor
+        in_actor = False
+    if in_actor and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class TrainerRank:
     def __init__(self, rank: int, world: int, spec: TrainerSpec) -> None:
         torch.set_num_threads(spec.threads)
@@ -58,6 +75,7 @@ class TrainerRank:
         if spec.deterministic:  # an op without a deterministic kernel then raises instead of varying
             torch.use_deterministic_algorithms(True)
         self.rank, self.world, self.spec = rank, world, spec
+        _leave_sigterm_to_the_driver()
         self.device = spec.device
         if spec.device == "cuda":
             # Ray exposes this actor's GPU(s) through CUDA_VISIBLE_DEVICES; outside Ray, LOCAL_RANK picks one

@@ -22,22 +22,12 @@ import threading
 import time
 from pathlib import Path
 
+from moerl.bench import options
 from moerl.bench.common import Row, format_table
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench async", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/demo.toml")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills; 0 = skip the kill run")
-    p.add_argument("--workers", type=int, default=1, help="rollout workers (1 CPU each)")
-    p.add_argument("--out", default="", help="keep the run directories here")
-    p.add_argument("--preset", default="", help="model preset override (e.g. small); default: the config's")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per mode, alternating sync and async; the median is reported (a shared or "
-                        "throttled machine drifts by 10-20%% between runs)")
-    return p.parse_args(argv)
+    return options.parser("async").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _run(args: argparse.Namespace, mode: str, run_dir: Path, kill_every: float = 0.0) -> dict:
@@ -57,16 +47,24 @@ def _run(args: argparse.Namespace, mode: str, run_dir: Path, kill_every: float =
     finally:
         stop.set()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    traj = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line.strip()]
+    return {**run_rates(rows, traj), "kills": len(kills), "failed_tasks": len(result["failed_tasks"]),
+            "counters": result["counters"], "queue": result["queue"]}
+
+
+def run_rates(rows: list[dict], trajectories: list[dict]) -> dict:
+    """A run's throughput, reward and duplicates from its metrics and trajectory rows. The window starts when the
+    first RL step's training began (its time less its time/train_s: the rollout before it is start-up) and ends
+    at the last step; the reward is the mean of the last 20% of the steps; a duplicate is a (task, sample) trained
+    twice."""
     rl = [r for r in rows if r["step"] > 0]
     t0 = rl[0]["time"] - rl[0].get("time/train_s", 0.0)
     samples = sum(r.get("samples", 0) for r in rl)
     tail = rl[-max(1, len(rl) // 5):]
-    traj = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line.strip()]
-    keys = [(t["task_id"], t["sample_index"]) for t in traj]
+    keys = [(t["task_id"], t["sample_index"]) for t in trajectories]
     return {"samples_per_s": samples / max(1e-9, rl[-1]["time"] - t0),
             "reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail),
-            "duplicates": len(keys) - len(set(keys)), "kills": len(kills),
-            "failed_tasks": len(result["failed_tasks"]), "counters": result["counters"], "queue": result["queue"]}
+            "duplicates": len(keys) - len(set(keys))}
 
 
 def _killer(every: float, stop: threading.Event, kills: list[float], workers: int) -> None:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table
 
 _MOTO = ("import sys, time, logging; from moto.server import ThreadedMotoServer; "
@@ -34,14 +35,7 @@ _MOTO = ("import sys, time, logging; from moto.server import ThreadedMotoServer;
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench checkpoint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default="", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else a local moto)")
-    p.add_argument("--bucket", default="moerl-bench", help="created if missing")
-    p.add_argument("--size-mb", type=float, default=200.0, help="trainer state size (weights + AdamW moments)")
-    p.add_argument("--iters", type=int, default=3, help="repetitions per measurement (median)")
-    p.add_argument("--threads", type=int, default=4, help="DCP writer threads = files per rank (moerl's default: 4)")
-    return p.parse_args(argv)
+    return options.parser("checkpoint").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _start_moto() -> tuple[subprocess.Popen, str]:
@@ -70,7 +64,7 @@ def _trainer(size_mb: float):
             return sum(p.numel() for p in MoECausalLM(tiny_config(**arch, num_hidden_layers=layers)).parameters())
 
     per_layer, base = params(2) - params(1), params(1) - (params(2) - params(1))
-    layers = max(1, round((size_mb * 1e6 / 12 - base) / per_layer))  # 12 bytes per parameter: fp32 + 2 moments
+    layers = layers_for(size_mb, base, per_layer)
     model = build_model(tiny_config(**arch, num_hidden_layers=layers), seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-4), LossConfig())
     g = torch.Generator().manual_seed(0)
@@ -78,6 +72,27 @@ def _trainer(size_mb: float):
                       [-1.0] * 8, 1.0 - 2 * (i % 2)) for i in range(4)]
     trainer.rl_step(samples)
     return trainer, samples, layers
+
+
+def layers_for(size_mb: float, base: int, per_layer: int) -> int:
+    """Decoder layers (at least 1) whose trainer state takes about `size_mb` MB: 12 bytes per parameter (fp32
+    weights and AdamW's two moments), `base` parameters outside the layers and `per_layer` in each."""
+    return max(1, round((size_mb * 1e6 / 12 - base) / per_layer))
+
+
+def checkpoint_rows(nbytes: int, disk_bps: float, seconds: dict[str, float]) -> list[Row]:
+    """The table's rows from the bytes of one save's files, the local disk's write bandwidth (bytes/s, the save
+    rate's ceiling) and the median seconds of each measurement (save, put, load, cat, stall, async_steps,
+    sync_steps)."""
+    mb, s = nbytes / 1e6, seconds
+    return [
+        Row("save MB/s (DCP vs s3fs pipe_file of the same files)", mb / s["save"], mb / s["put"], "MB/s",
+            ceiling=disk_bps / 1e6),
+        Row("load MB/s (DCP vs s3fs cat_file of the same files)", mb / s["load"], mb / s["cat"], "MB/s"),
+        Row("caller blocked per save (async vs blocking save)", s["stall"], s["save"], "s", higher_is_better=False),
+        Row("save + 3 train steps, wall (async vs blocking)", s["async_steps"], s["sync_steps"], "s",
+            higher_is_better=False),
+    ]
 
 
 def _disk_write_bw(nbytes: int) -> float:
@@ -177,18 +192,11 @@ def _bench(args: argparse.Namespace, endpoint: str, local_moto: bool) -> int:
             runs.setdefault(name, []).append(fn(i))
         fs.rm(f"{run}/", recursive=True)  # moto keeps objects in memory
         fs.invalidate_cache()
-    save_s, put_s, load_s, cat_s, stall_s, async_steps, sync_steps, step_s = (
-        statistics.median(runs[k]) for k in ("save", "put", "load", "cat", "stall", "async_steps", "sync_steps", "step"))
+    medians = {k: statistics.median(v) for k, v in runs.items()}
     disk = _disk_write_bw(nbytes)
     mb = nbytes / 1e6
-    rows = [
-        Row("save MB/s (DCP vs s3fs pipe_file of the same files)", mb / save_s, mb / put_s, "MB/s", disk / 1e6),
-        Row("load MB/s (DCP vs s3fs cat_file of the same files)", mb / load_s, mb / cat_s, "MB/s"),
-        Row("caller blocked per save (async vs blocking save)", stall_s, save_s, "s", higher_is_better=False),
-        Row("save + 3 train steps, wall (async vs blocking)", async_steps, sync_steps, "s", higher_is_better=False),
-    ]
-    print(format_table(f"moerl bench checkpoint ({mb:.0f} MB of files per save, train step {step_s:.2f} s)", rows,
-                       peer_name="peer"))
+    print(format_table(f"moerl bench checkpoint ({mb:.0f} MB of files per save, train step {medians['step']:.2f} s)",
+                       checkpoint_rows(nbytes, disk, medians), peer_name="peer"))
     print(f"of hw limit: save MB/s over local-disk write bandwidth ({disk / 1e6:,.0f} MB/s, 8 MiB writes + fsync); "
           f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0

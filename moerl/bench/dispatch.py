@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table, measure_copy_bandwidth, time_fn
 from moerl.bench.ranks import init_rank, spawn_ranks
 
@@ -27,22 +28,7 @@ CPU_HIDDEN, CPU_TOKENS = 1024, "512,128"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench dispatch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=("all_to_all", "symm_mem", "all"), default="all",
-                   help="all: every backend that can run here (default)")
-    p.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default 4096,128; CPU 512,128)")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168; CPU 1024)")
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to spawn (default: CPU 2, CUDA every GPU); under torchrun its world size")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are stopped")
-    return p.parse_args(argv)
+    return options.parser("dispatch").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def main(argv: list[str] | None = None) -> int:

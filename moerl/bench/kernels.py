@@ -28,13 +28,14 @@ from typing import Callable
 
 import torch
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table, measure_copy_bandwidth, time_fn
 from moerl.kernels.norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from moerl.kernels.router import router_topk, router_topk_reference
 from moerl.rollout.sampling import SamplingBatch, SamplingParams, gumbel_argmax, gumbel_argmax_reference
 
 EPS = 1e-6
-GROUPS = ("decode", "train", "sampler")
+GROUPS = options.KERNEL_GROUPS
 Outputs = tuple[torch.Tensor, ...]
 
 
@@ -224,14 +225,7 @@ def rows(results: list[Result], copy_bw: float, peer: str) -> list[Row]:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--group", default="all", choices=["all", *GROUPS])
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer (CUDA; slow to compile)")
-    p.add_argument("--calls", type=int, default=50, help="calls per CUDA graph (no-grad cases)")
-    p.add_argument("--reps", type=int, default=10, help="graph replays; eager steps for the rest")
-    return p.parse_args(argv)
+    return options.parser("kernels").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table, measure_matmul_peak, time_fn
 from moerl.model.logprobs import chunked_token_logprobs, token_logprobs_reference
 
@@ -34,17 +35,7 @@ NAIVE_BYTES_PER_LOGIT = 22  # bf16 logits, fp32 copy, log_softmax, its grad, exp
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench logprobs", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32_768, help="N (CUDA; the CPU runs a tiny shape)")
-    p.add_argument("--hidden", type=int, default=1024, help="D")
-    p.add_argument("--vocab", type=int, default=151_936, help="V")
-    p.add_argument("--entropy", action="store_true", help="also the entropy and its gradient")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    return p.parse_args(argv)
+    return options.parser("logprobs").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _liger_loss(temperature: float) -> Callable | None:

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moerl.bench import options
 from moerl.bench.common import Row, format_table
 from moerl.runlog.run_log import read_jsonl
 
@@ -35,16 +36,7 @@ PHASE_KEYS = ("idle", "train_wait", "publish", "transfer", "controller", "checkp
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench loop", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/demo.toml")
-    p.add_argument("--shape", default="auto", choices=["auto", "cpu", "gpu"])
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (GPU 30, CPU 200)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating; medians reported")
-    p.add_argument("--out", default="", help="keep the run directories here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every run, e.g. --set weights.transport=object_store")
-    return p.parse_args(argv)
+    return options.parser("loop").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _overrides(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
@@ -59,7 +51,14 @@ def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path, extr
 
     cfg = load_config(args.config, _overrides(args, gpu, mode, run_dir, extra))
     train(cfg)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return {**loop_rates(read_jsonl(run_dir / "metrics.jsonl")), "inflight_groups": _concurrency(cfg)}
+
+
+def loop_rates(rows: list[dict]) -> dict:
+    """A run's numbers from its metrics.jsonl rows. Rates count the training steps after the first 20% (at least
+    the first step: start-up, graph captures and the first publish stay out): samples (and samples x mean length)
+    over the sum of those steps' time/step_s; phases as shares of that time; the inner times per step; the reward
+    of the last 20% of those steps; the behaviour KL's worst and median step."""
     steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]
     rl = steps[max(1, len(steps) // 5):]  # start-up stays out of every rate
     samples = sum(r.get("samples", 0) for r in rl)
@@ -70,10 +69,11 @@ def run_loop(args: argparse.Namespace, gpu: bool, mode: str, run_dir: Path, extr
              for k in ("fwd_bwd", "optimizer", "generate", "apply", "publish", "transfer", "step")}
     tail = rl[-max(1, len(rl) // 5):]
     kl = sorted(r.get("is/behaviour_kl", 0.0) for r in rl) or [0.0]
+    counters = steps[-1] if steps else {}  # the last training row's: an eval's row may come after it
     return {"kl_max": kl[-1], "kl_median": kl[len(kl) // 2], "samples_per_s": samples / max(wall, 1e-9),
-            "tokens_per_s": tokens / max(wall, 1e-9), "wall_s": wall, "inflight_groups": _concurrency(cfg),
+            "tokens_per_s": tokens / max(wall, 1e-9), "wall_s": wall,
             "reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail), "phases": phases, "inner": inner,
-            "stale_dropped": rows[-1].get("count/stale_dropped", 0), "groups": rows[-1].get("count/groups_done", 0)}
+            "stale_dropped": counters.get("count/stale_dropped", 0), "groups": counters.get("count/groups_done", 0)}
 
 
 def kl_verdict(worst: dict[str, float], bound: float | None = None) -> str:
@@ -128,18 +128,9 @@ def engine_alone(args: argparse.Namespace, gpu: bool, inflight_groups: int, seco
     for _ in range(inflight_groups * G):
         submit()
 
-    def run(window: float) -> tuple[int, int, float]:
-        t0, samples, tokens = time.perf_counter(), 0, 0
-        while time.perf_counter() - t0 < window:
-            for out in engine.step():
-                if out.completion is not None:
-                    samples += 1
-                    tokens += len(out.completion.token_ids)
-                    submit()
-        return samples, tokens, time.perf_counter() - t0
-    run(min(10.0, seconds / 4))  # warm-up: CUDA graphs, kernels, the first requests' prefill
+    fed_continuously(engine.step, submit, min(10.0, seconds / 4))  # warm-up: CUDA graphs, kernels, first prefills
     before = dict(engine.stats, steps=engine.steps)
-    samples, tokens, wall = run(seconds)
+    samples, tokens, wall = fed_continuously(engine.step, submit, seconds)
     return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "seconds": wall,
             "inflight_groups": inflight_groups, **occupancy(before, dict(engine.stats, steps=engine.steps),
                                                             spec.engine.max_batch_size, wall)}
@@ -152,6 +143,19 @@ def occupancy(before: dict, after: dict, slots: int, wall: float) -> dict:
     return {"decode_rows": delta["decode_tokens"] / max(delta["decode_steps"], 1), "slots": slots,
             "step_ms": 1e3 * wall / max(delta["steps"], 1),
             "prefill_share": delta["prefill_tokens"] / max(delta["prefill_tokens"] + delta["decode_tokens"], 1)}
+
+
+def fed_continuously(step, submit, window: float, clock=time.perf_counter) -> tuple[int, int, float]:
+    """(completions, their tokens, seconds) of `step()` called until `window` seconds have passed on `clock`: each
+    completion a step returns is counted and replaced at once (`submit()`), so the concurrency stays what it was."""
+    t0, samples, tokens = clock(), 0, 0
+    while clock() - t0 < window:
+        for out in step():
+            if out.completion is not None:
+                samples += 1
+                tokens += len(out.completion.token_ids)
+                submit()
+    return samples, tokens, clock() - t0
 
 
 def _sync_groups(args: argparse.Namespace, gpu: bool, base: Path) -> int:

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from moerl.bench import options
 from moerl.bench.common import (Row, device_description, format_table, measure_copy_bandwidth, time_fn,
                                 weight_copies)
 from moerl.kernels.fused_moe import fused_moe_reference
@@ -35,16 +36,7 @@ PEER_IMPLS = ("grouped_mm", "batched_mm", "eager")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench moe-decode", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default=None, choices=[*SHAPES, "all"], help="default 30b; --tune: all")
-    p.add_argument("--tokens", default="1,16,64,128,256,512", help="comma list of tokens per call")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--peer", default="all", help="comma list of transformers experts implementations, or 'none'")
-    p.add_argument("--tune", action="store_true", help="sweep block configs per M bucket instead")
-    return p.parse_args(argv)
+    return options.parser("moe-decode").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def model_config(E: int, D: int, I: int, K: int = TOP_K) -> MoEModelConfig:

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table, measure_matmul_peak, time_fn
 from moerl.model.config import MoEModelConfig
 from moerl.model.moe import SparseMoEBlock
@@ -23,20 +24,7 @@ PEER_IMPLS = ("grouped_mm", "batched_mm", "eager")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench moe-layer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--tokens", type=int, default=None, help="tokens per step (GPU default 16384, CPU 512)")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size (GPU default 2048, CPU 256)")
-    p.add_argument("--experts", type=int, default=None, help="experts (GPU default 128, CPU 16)")
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=None, help="expert intermediate (GPU 768, CPU 128)")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="GPU default bf16, CPU fp32")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--peer", default="all", help="comma list of transformers experts implementations, or 'none'")
-    p.add_argument("--profile", action="store_true", help="print the top kernels of one step of each")
-    return p.parse_args(argv)
+    return options.parser("moe-layer").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _shapes(args: argparse.Namespace, device: torch.device) -> tuple[int, int, int, int, torch.dtype]:
@@ -64,6 +52,12 @@ def _peer_block(config: MoEModelConfig, impl: str, ours: SparseMoEBlock):
         block.experts.gate_up_proj.copy_(ours.experts.gate_up_proj)
         block.experts.down_proj.copy_(ours.experts.down_proj)
     return block
+
+
+def expert_gemm_flops(T: int, K: int, D: int, I: int) -> int:
+    """FLOPs of the expert GEMMs of one forward + backward: each of T tokens through K experts, a gate-up [D, 2I]
+    and a down [I, D] projection (2 FLOPs a multiply-add), forward once and backward twice (input and weight)."""
+    return 3 * 2 * T * K * (D * 2 * I + I * D)
 
 
 def _step(forward, params, x_TD: torch.Tensor, grad_TD: torch.Tensor):
@@ -143,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     gemm_grad_ND = torch.randn_like(x_ND)
     gemm_step = _step(lambda x: ours.experts(x, counts_L), list(ours.experts.parameters()), x_ND, gemm_grad_ND)
     gemm_s = time_fn(gemm_step, device, warmup=args.warmup, iters=args.iters)
-    gemm_flops = 3 * 2 * T * K * (D * 2 * I + I * D)  # forward + two backward GEMMs each
+    gemm_flops = expert_gemm_flops(T, K, D, I)
     peak = measure_matmul_peak(device)
     if args.profile:
         _profile("moerl", ours_step, device)

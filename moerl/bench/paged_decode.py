@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table, measure_copy_bandwidth, time_fn
 from moerl.bench.rollout import decode_step_bytes
 from moerl.model import MoEModelConfig, build_model
@@ -38,23 +39,7 @@ CPU_SIZES = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench paged-decode", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--no-gather", dest="gather", action="store_false", help="skip the gather + SDPA row")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--moe-inter", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--max-seq-len", type=int, default=4096)
-    p.add_argument("--contexts", default="128,1024,3072", help="positions each request holds, comma-separated")
-    return p.parse_args(argv)
+    return options.parser("paged-decode").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 class SlabView:

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from moerl.bench import decode_profile, step_split
+from moerl.bench import decode_profile, options, step_split
 from moerl.bench.common import (Row, device_description, format_table, measure_copy_bandwidth, measure_matmul_peak,
                                 synchronize)
 from moerl.bench.rollout_ep import main_ep
@@ -61,29 +61,7 @@ def random_model(config: MoEModelConfig, dtype: torch.dtype, device: torch.devic
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench rollout", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="GPU: 0.9b, CPU: tiny")
-    p.add_argument("--requests", type=int, default=None, help="default: the preset's")
-    p.add_argument("--prompt-len", type=int, default=None, help="default: the preset's")
-    p.add_argument("--new-tokens", type=int, default=None, help="default: the preset's")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default: the preset's")
-    p.add_argument("--peer", default=None, help="transformers cache implementations ('dynamic,static'), or "
-                   "'none'; default: both, none for qwen3-30b-a3b")
-    p.add_argument("--peak-bw", type=float, default=None, help="HBM datasheet bandwidth in GB/s for a second "
-                   "floor (default 4800 on an H200, else none); the first is over the measured copy bandwidth")
-    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
-    p.add_argument("--profile", action="store_true", help="then profile decode steps in the engine's own mode: "
-                   "device busy vs idle, top kernels, the graph replayed alone vs a step, the host's time by function "
-                   "(moerl/bench/decode_profile.py)")
-    p.add_argument("--trace", default="", metavar="PATH", help="with --profile: write its steps as a Chrome trace")
-    p.add_argument("--overlap-ablation", action="store_true", help="then time the same engine with overlapped "
-                   "decode off (EngineConfig.overlap_decode) on the same prompts: a row of the table")
-    p.add_argument("--no-split", action="store_true", help="skip the decode step split (a few profiled eager steps)")
-    p.add_argument("--ep-size", type=int, default=1, help="ranks of an expert-parallel engine group (spawned, or "
-                   "torchrun's); > 1 compares it with one engine: see moerl/bench/rollout_ep.py")
-    return p.parse_args(argv)
+    return options.parser("rollout").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _run_without_overlap(engine: Engine, model, prompts, new_tokens: int, temperature: float) -> dict | None:

@@ -1,7 +1,11 @@
 """`moerl bench train`: one optimizer step of the RL policy loss, ours against a plain training step.
 
-    python -m moerl.cli bench train                    # 1.65B-active-shape MoE, vocab 151,936, 128 x 2,048 tokens (GPU)
+    python -m moerl.cli bench train                    # GPU: the medium preset's MoE, 128 x 2,048 tokens
     python -m moerl.cli bench train --device cpu       # scaled down: the shape of the costs only
+
+The GPU shape: hidden 1024, 16 layers, 64 experts top-8, vocab 151,936: 1.96B parameters, 0.56B of them active per
+token, 0.40B without the input embedding (a lookup, not a matmul: what MFU counts). It is the medium preset, whose
+"1.65B" is its total at the byte vocabulary.
 
 Ours: PolicyTrainer with float32 master weights, bf16 compute, packed token-budget micro-batches, chunked
 log-probs, activation checkpointing, routing replay. The peer: transformers' Qwen3MoeForCausalLM (grouped_mm
@@ -28,7 +32,7 @@ import time
 
 import torch
 
-from moerl.bench import train_split
+from moerl.bench import options, train_split
 from moerl.bench.common import (Row, datasheet_bf16_peak, device_description, format_table, measure_matmul_peak,
                                 mfu_line, synchronize)
 from moerl.model import build_model, tiny_config
@@ -41,27 +45,7 @@ CHECKPOINTING = {"full": True, "selective": "selective", "none": False}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--samples", type=int, default=None, help="samples per step (GPU 128, CPU 8)")
-    p.add_argument("--seq", type=int, default=None, help="positions per sample (GPU 2048, CPU 128)")
-    p.add_argument("--prompt", type=int, default=None, help="prompt tokens of each sample (GPU 256, CPU 16)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary (GPU 151936, CPU 4096)")
-    p.add_argument("--micro-batch-tokens", type=int, default=None, help="ours (GPU 65536, CPU 512)")
-    p.add_argument("--checkpointing", default="full", choices=["full", "selective", "none"],
-                   help="ours: activation checkpointing of each decoder layer (moerl/model/checkpointing.py)")
-    p.add_argument("--no-checkpointing", action="store_const", const="none", dest="checkpointing",
-                   help="the same as --checkpointing none")
-    p.add_argument("--equal-batch-checkpointing", default="none", choices=["full", "selective", "none"],
-                   help="ours at the largest batch the peer fits (the peer keeps every activation too)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step; the median is reported "
-                   "(of 2 it would be the slower one: the 16 x 2,048 step varied 0.36-0.44 s between runs)")
-    p.add_argument("--peer", default="transformers", choices=["transformers", "none"])
-    p.add_argument("--no-split", action="store_true",
-                   help="skip the optimizer step split (one extra step of ours under torch.profiler)")
-    p.add_argument("--split-top", type=int, default=0, help="also print the top N kernels of each large split row")
-    return p.parse_args(argv)
+    return options.parser("train").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def _arch(args: argparse.Namespace, gpu: bool) -> MoEModelConfig:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moerl.bench import options
 from moerl.bench.common import Row, device_description, format_table, measure_matmul_peak, synchronize
 from moerl.model import MoECausalLM, MoEModelConfig, build_model, transformer
 from moerl.model.layers import varlen_unavailable_reason
@@ -34,18 +35,7 @@ CPU_SIZES = dict(num_seqs=6, min_len=3, max_len=40, hidden=64, layers=3, iters=1
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moerl bench varlen", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--num-seqs", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=100)
-    p.add_argument("--max-len", type=int, default=2000)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--iters", type=int, default=3, help="timed steps after one warm-up step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-mask", action="store_true", help="skip timing the O(T^2) block-mask path")
-    return p.parse_args(argv)
+    return options.parser("varlen").parse_args(argv)  # moerl/bench/options.py: --help before torch loads
 
 
 def make_config(hidden: int, layers: int) -> MoEModelConfig:

@@ -19,12 +19,13 @@ the filesystem object or its options: they may hold credentials.
 
 Every call has a deadline (deadline.py), and every object key read from storage (a manifest's, a listing's) must
 be a plain relative path inside its step (untrusted.py). Checksums are taken from the bytes as they are written (`write_bytes` here, DCP's writer threads in
-trainer_state.py, passed to `commit`) and checked by `verify`, which resume and export call. A manifest
-written before checksums existed has none: its steps are checked by size only.
+trainer_state.py, passed to `commit`) and checked by `verify`, which resume and export call. A manifest without a
+checksum for each of its files is refused: a missing table must not turn the check off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -299,9 +300,16 @@ class CheckpointStore:
         """Raise CheckpointError naming every file missing, of another size than the manifest says, or (read
         in full and hashed) whose checksum does not match the manifest's. progress: hears a line per file read."""
         manifest = self.read_manifest(step)
-        sums = manifest.get(CHECKSUMS, {})  # absent: written before checksums, checked by size only
+        sums = manifest.get(CHECKSUMS)
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-            raise CheckpointError(f"{self.step_path(step)}/{COMMIT}: '{CHECKSUMS}' is not a table of strings")
+            raise CheckpointError(f"{self.step_path(step)}/{COMMIT}: " + (
+                f"no '{CHECKSUMS}' table, so its files cannot be checked (every moerl commit writes one: a manifest "
+                "without it was edited): refused" if sums is None else f"'{CHECKSUMS}' is not a table of strings"))
+        unsummed = sorted(set(manifest["files"]) - set(sums))
+        if unsummed:  # a file without a checksum would be read unchecked: as much a hole as no table at all
+            raise CheckpointError(f"{self.step_path(step)}/{COMMIT}: no checksum for {len(unsummed)} of its "
+                                  f"{len(manifest['files'])} files ({', '.join(unsummed[:3])}"
+                                  f"{' ...' if len(unsummed) > 3 else ''}), so they cannot be checked: refused")
         present = self._files(step)
         problems = []
         for name, size in sorted(manifest["files"].items()):
@@ -312,9 +320,7 @@ class CheckpointStore:
         if problems:
             raise CheckpointError(f"{self.step_path(step)}: incomplete checkpoint: " + "; ".join(problems))
         self._check_trainer_files(step, manifest["files"])
-        if not sums:
-            log.info("%s: manifest has no checksums (an older checkpoint): sizes checked only", self.step_path(step))
-        names = sorted(n for n in sums if n in manifest["files"])
+        names = sorted(manifest["files"])
         done, lock = [0, 0], threading.Lock()
 
         def hash_one(name: str) -> str:
@@ -411,11 +417,16 @@ def _write_durably(path: str, data: bytes) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no zero-byte temporary left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     _fsync_dir(directory)
 
 

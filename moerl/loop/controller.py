@@ -80,7 +80,8 @@ class Controller:
                  weights: WeightSync, builder: SampleBuilder, on_step: Callable[[int, dict, list[dict]], None],
                  checkpoints: Checkpoints | None = None, stop_requested: Callable[[], bool] = lambda: False,
                  evaluator: Evaluator | None = None, dynamic: DynamicSampling | None = None,
-                 warn: Callable[[str], None] = lambda text: None) -> None:
+                 warn: Callable[[str], None] = lambda text: None,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.cfg, self.task, self.queue, self.workers, self.trainer = cfg, task, queue, workers, trainer
         self.weights, self.builder, self.on_step = weights, builder, on_step
         self.checkpoints = checkpoints
@@ -94,7 +95,9 @@ class Controller:
         self.evaluator = evaluator  # evals on held rollout workers (moerl/loop/evaluation.py)
         self.dynamic = dynamic  # DAPO's dynamic sampling (moerl/loop/dynamic_sampling.py)
         self.failures = FailureWatch(cfg.max_failed_fraction, cfg.failure_window)
-        self.watchdog = StepWatchdog(cfg.step_timeout_s, warn)
+        self.now = now  # the clock of the step watchdog and of a step's start (a test gives its own)
+        self.watchdog = StepWatchdog(cfg.step_timeout_s, warn, clock=now)
+        self._workers_up = False  # a rollout worker has come up: from then on the watchdog counts
         self.first_errors = FirstErrors(warn)  # the first failures said with their prompts (console, error.log)
 
     # ------------------------------------------------------------------ the loop
@@ -125,7 +128,9 @@ class Controller:
             if self.evaluator is not None:
                 self.evaluator.poll()
             self.failures.check()
-            self.watchdog.check(self.state.step + 1, self._waiting_for)
+            # The first rollout workers' start-up is not a step's wait (rollout.start_timeout_s bounds it).
+            self._workers_up = self._workers_up or self.workers.alive() > 0
+            self.watchdog.check(self.state.step + 1, self._waiting_for, counting=self._workers_up)
         if self.evaluator is not None:
             self.evaluator.finish()
         if self.state.step > 0 and self.state.counters["samples_trained"] == 0:
@@ -134,7 +139,10 @@ class Controller:
 
     def _waiting_for(self) -> str:
         if self.training is not None:
-            return f"the trainer, whose step has run for {time.monotonic() - self.training.started_at:.0f} s"
+            ran = self.now() - self.training.started_at
+            before = self.watchdog.idle_s() - ran  # the step's rollout, before its training began
+            return (f"the trainer, whose step has run for {ran:.0f} s"
+                    + (f" (its batch took the {before:.0f} s before)" if before >= 1 else ""))
         return (f"rollout: {len(self.state.ready)} of {self.cfg.batch_groups} groups ready, {self.queue.leased()} "
                 f"leased, {self.queue.pending()} pending; {self.workers.alive()} of {self.workers.target} rollout "
                 "workers up")
@@ -289,8 +297,7 @@ class Controller:
     def _start_training(self, batch: list[GroupResult]) -> None:
         samples, rows, stats = self.builder.build(batch, self.state.step, self.state.version)
         self.state.counters["samples_failed"] += stats["samples_failed"]
-        self.training = StepInFlight(self.trainer.start_rl_step(samples), batch, samples, rows, stats,
-                                     time.monotonic())
+        self.training = StepInFlight(self.trainer.start_rl_step(samples), batch, samples, rows, stats, self.now())
 
     def _finish_training(self, start_next: bool = True) -> None:
         step, self.training = self.training, None
@@ -312,7 +319,7 @@ class Controller:
                 self.evaluator.after_step(self.state.step, self.state.version)
         self.state.counters["samples_trained"] += len(step.samples)
         metrics.update(step.stats)
-        metrics["time/train_s"] = time.monotonic() - step.started_at
+        metrics["time/train_s"] = self.now() - step.started_at
         metrics["time/generate_s"] = sum(g.seconds for g in step.batch) / max(len(step.batch), 1)
         metrics["time/apply_s"] = sum(g.apply_s for g in step.batch)
         metrics.update(self.clock.lap())

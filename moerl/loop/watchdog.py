@@ -5,6 +5,11 @@ A stuck trainer rank or a rollout that never finishes a group used to stall a ru
 bounded), so it asks the watchdog on each turn: at each quarter of the timeout without a step the watchdog
 warns (`warn`, a line on the console and in error.log) naming what the step waits for; at the timeout it
 raises RunFailed, naming it too (exit 1). 0 turns it off.
+
+The clock starts again whenever the step awaited changes (a step finished), and stands still while the caller
+says the wait is not a step's (`counting=False`: the run's first rollout workers starting, which
+rollout.start_timeout_s bounds): a watchdog that counted from the start of the run ended runs longer than its
+timeout, and ended runs whose workers took longer than it to start, before step 1.
 """
 
 from __future__ import annotations
@@ -25,11 +30,18 @@ class StepWatchdog:
 
     def advanced(self) -> None:
         """A step finished (or the run began): the clock starts again."""
-        self.since, self.warned = self.clock(), 0
+        self.since, self.warned, self.step = self.clock(), 0, None
 
-    def check(self, step: int, waiting_for: Callable[[], str]) -> None:
+    def idle_s(self) -> float:
+        """Seconds the awaited step has been waited for."""
+        return self.clock() - self.since
+
+    def check(self, step: int, waiting_for: Callable[[], str], counting: bool = True) -> None:
         """`step` is the number of the step awaited; `waiting_for()` says what it waits for (called only when
-        there is something to say)."""
+        there is something to say). counting=False: this wait is not the step's (the clock stands still)."""
+        if not counting or (self.step is not None and step != self.step):
+            self.advanced()  # not a step's wait, or a step finished: the clock starts again
+        self.step = step
         if self.timeout_s <= 0:
             return
         idle = self.clock() - self.since

@@ -364,7 +364,8 @@ class Engine:
         plan = self.cache.decode_plan(batch.pos_B, batch.table_BW, kv_len)
         out = self.forward(batch.ids_B[:, None], position_ids_BT=batch.pos_B[:, None],
                            kv_caches=self.cache.views(plan))
-        token_B, logprob_B = sample(out.logits_BTV[:, -1], batch.sampling, **(hints or {}))
+        token_B, logprob_B = sample(out.logits_BTV[:, -1], batch.sampling, **(hints or {}),
+                                    vocab_limit=self.config.vocab_limit)
         return token_B, logprob_B, out.routed_experts_BTLK[:, 0]
 
     @torch.no_grad()
@@ -378,7 +379,7 @@ class Engine:
         sampling = SamplingBatch.empty(len(reqs), self.device)
         sampling.set_rows(list(range(len(reqs))), [r.params for r in reqs], [r.seed for r in reqs],
                           [len(r.tokens) for r in reqs])
-        token_B, logprob_B = sample(logits_BV, sampling, **sampling_hints(reqs))
+        token_B, logprob_B = sample(logits_BV, sampling, **sampling_hints(reqs), vocab_limit=self.config.vocab_limit)
         for r, tok, lp in zip(reqs, token_B.tolist(), logprob_B.tolist()):
             self._append(r, tok, lp, outputs)
 

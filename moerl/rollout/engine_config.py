@@ -31,3 +31,6 @@ class EngineConfig:
     # overlap hides nothing and the steps it computes for rows that just stopped are pure cost (the CPU demo: 81 s
     # for 600 steps with it, 66 s without); tests turn it on there to exercise the same logic.
     overlap_decode: bool | None = None
+    # Sample only ids below this: the tokenizer's vocabulary when the model's embedding is padded past it (Qwen3's
+    # 151936 rows for 151669 tokens); the padded ids decode to nothing. 0: every id of the model.
+    vocab_limit: int = 0

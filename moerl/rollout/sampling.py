@@ -140,7 +140,7 @@ class SamplingBatch:
 
 
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch, *, all_greedy: bool = False,
-           any_filter: bool = True, top_k_cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           any_filter: bool = True, top_k_cap: int = 0, vocab_limit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (token_B int64, logprob_B float32).
 
     logprob is the sampled token's log-probability under softmax(logits / temperature) (temperature 1 when
@@ -148,8 +148,16 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch, *, all_greedy: bool = 
     Host-side hints (`sampling_hints`) that skip work, each giving the same tokens as the general path:
     all_greedy: argmax only; any_filter=False (no row has top-k/top-p, what RL decodes): one Gumbel-max pass,
     no sort; top_k_cap = K > 0 (every sampling row has 0 < top_k <= K): sort only the top K candidates.
+    vocab_limit = N > 0: ids >= N are never sampled (a model's embedding padded past its tokenizer's vocabulary,
+    as Qwen3's: those ids decode to nothing), a filter like top-k: the log-prob stays the full vocabulary's.
     """
     V = logits_BV.shape[-1]
+    if 0 < vocab_limit < V:  # sampled among the first N ids (the noise is keyed by id: the same draws)
+        token_B, _ = sample(logits_BV[:, :vocab_limit], batch, all_greedy=all_greedy, any_filter=any_filter,
+                            top_k_cap=top_k_cap)
+        temp_B = torch.where(batch.temperature_B == 0, torch.ones_like(batch.temperature_B), batch.temperature_B)
+        scaled_BV = logits_BV.float() / (1.0 if all_greedy else temp_B[:, None])
+        return token_B, _logprob_of(scaled_BV, token_B, torch.logsumexp(scaled_BV, dim=-1))
     if all_greedy:
         logits_BV = logits_BV.float()
         token_B = logits_BV.argmax(dim=-1)

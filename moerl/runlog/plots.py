@@ -18,13 +18,13 @@ font cache on a fresh machine, while the run starts), so that the end of a run o
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from moerl.runlog.disk import cause_of, replace_atomically
 from moerl.runlog.run_log import EXPERT_LOAD_SOURCES, METRICS_FILE, STEP_PHASES, read_expert_load, read_jsonl
 
 REWARD_KEY = "reward/mean"
@@ -56,7 +56,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ]
     for source in EXPERT_LOAD_SOURCES:
         jobs.append((f"expert_load_{source}.png", lambda s=source: _expert_load_figure(load, s, run_dir.name)))
-    written = []
+    written, failed = [], {}  # failed: cause -> plots (a full disk fails them all alike: said once)
     for name, make in jobs:
         try:
             fig = make()
@@ -66,7 +66,11 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             _save(fig, path)
             written.append(path)
         except Exception as e:  # noqa: BLE001 - a plot must not fail the run
-            warnings.warn(f"plot {name} failed: {type(e).__name__}: {e}", stacklevel=2)
+            cause = cause_of(e, run_dir) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            failed.setdefault(cause, []).append(name)
+    for cause, names in failed.items():
+        warnings.warn(f"plot{'s' * (len(names) > 1)} {', '.join(names)} not written in {run_dir}: {cause}",
+                      stacklevel=2)
     return written
 
 
@@ -342,9 +346,7 @@ def _expert_load_figure(load: dict[str, Any] | None, source: str, run_name: str)
 
 
 def _save(fig: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=_DPI)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=_DPI))
 
 
 class PlotWriter:
@@ -362,7 +364,7 @@ class PlotWriter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._final: list[Path] | None = None
-        self._final_warnings: list[warnings.WarningMessage] = []
+        self.problems: list[str] = []  # what the final write could not do (plots not written, and why)
         self.writes = 0  # background writes done, the final one included
         self.render_s = 0.0  # the last write's duration
 
@@ -377,15 +379,13 @@ class PlotWriter:
         self._stop.set()
 
     def close(self) -> list[Path]:
-        """Wait for the final plots (writing them here when the thread never ran); returns the paths written."""
+        """Wait for the final plots (writing them here when the thread never ran); returns the paths written.
+        What they could not do is in `problems`, for the caller to say (as a warning line, not a raw warning)."""
         self.finish()
         if self._thread is not None:
             self._thread.join()
         if self._final is None:
-            self._final = write_plots(self.run_dir)
-        for w in self._final_warnings:  # the thread's warnings, said on the caller's thread
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        self._final_warnings = []
+            self._final = self._write()
         return self._final
 
     def _write(self) -> list[Path]:
@@ -395,8 +395,8 @@ class PlotWriter:
             paths = write_plots(self.run_dir)
         self.writes += 1
         self.render_s = time.monotonic() - t0
-        if self._stop.is_set():
-            self._final_warnings = list(caught)
+        if self._stop.is_set():  # the final write: its problems are said; earlier ones are written over
+            self.problems = [str(w.message) for w in caught]
         return paths
 
     def _run(self) -> None:

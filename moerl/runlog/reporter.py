@@ -23,11 +23,11 @@ import collections
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from moerl.redact import redact
+from moerl.runlog.disk import DiskWriteError
 from moerl.runlog.plots import PlotWriter
 from moerl.runlog.progress import Progress, format_duration
 from moerl.runlog.run_log import RunLog
@@ -237,6 +237,8 @@ class RunReporter:
         self._run_steps(steps)
         if self.plots is not None:
             self.close_s["plots"] = self.plots.render_s  # the final render, on its thread or here
+            for problem in self.plots.problems:  # a line of ours, not Python's raw warning with its source line
+                self.event("warning", problem)
         self.close_s["total"] = time.monotonic() - self._finished_at
         detail = ", ".join(f"{k} {v:.1f} s" for k, v in self.close_s.items() if k != "total" and v >= 0.05)
         self.progress.message(f"[{format_duration(self.progress.elapsed())}] outputs in {self.run_dir} "
@@ -250,7 +252,8 @@ class RunReporter:
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - the run's outcome (or its exception) is what matters here
-                warnings.warn(f"{what} not closed cleanly: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+                cause = str(e) if isinstance(e, DiskWriteError) else f"{type(e).__name__}: {e}"
+                self.event("warning", f"{what} not closed cleanly: {cause}")
             self.close_s[what] = self.close_s.get(what, 0.0) + time.monotonic() - t0
 
     def __enter__(self) -> RunReporter:

@@ -12,6 +12,9 @@ Crash safety: the JSONL files are opened in append mode, line-buffered, and ever
 lines and flushes, so a crash can leave at most a truncated last line; `read_jsonl` skips it, and a
 resumed `RunLog` repairs it before appending. `expert_load.json` is replaced atomically.
 
+A write that fails (a full disk) raises DiskWriteError naming the file, the cause and what was not logged; no
+temporary file is left behind.
+
 `time` is seconds since the run started; a resumed run continues from the last logged `time`.
 Non-finite numbers are written as null (JSON has no NaN/Infinity).
 
@@ -31,6 +34,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, Sequence
+
+from moerl.runlog.disk import DiskWriteError, replace_atomically
 
 METRICS_FILE = "metrics.jsonl"
 TRAJECTORIES_FILE = "trajectories.jsonl"
@@ -168,9 +173,12 @@ def _trim_after(path: Path, step: int) -> tuple[int, float | None]:
     old file or the new one). Lines that are not JSON objects go too. Returns the rows dropped and the last
     kept row's `time`."""
     dropped, bad, last_time = 0, 0, None
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as out:
-        if path.exists():
+
+    def write(tmp: Path) -> None:
+        nonlocal dropped, bad, last_time
+        with open(tmp, "wb") as out:
+            if not path.exists():
+                return
             with open(path, "rb") as rows:
                 for raw in rows:
                     if not raw.strip():
@@ -188,7 +196,10 @@ def _trim_after(path: Path, step: int) -> tuple[int, float | None]:
                     out.write(raw if raw.endswith(b"\n") else raw + b"\n")
                     if isinstance(row.get("time"), (int, float)):
                         last_time = float(row["time"])
-    os.replace(tmp, path)
+    try:
+        replace_atomically(path, write)
+    except OSError as e:
+        raise DiskWriteError(path, e, f"the rows after step {step} were not dropped (the file is as it was)") from e
     if bad:
         warnings.warn(f"{path}: dropped {bad} line(s) that are not JSON objects", stacklevel=3)
     return dropped, last_time
@@ -337,8 +348,11 @@ class RunLog:
         line = _dumps(row) + "\n"
         with self._lock:
             self._check_open()
-            self._metrics.write(line)
-            self._metrics.flush()
+            try:
+                self._metrics.write(line)
+                self._metrics.flush()
+            except OSError as e:
+                raise DiskWriteError(self.metrics_path, e, f"step {step}'s metrics row was not logged") from e
             self._write_tensorboard(row)
             if self._expert_dirty:
                 self._save_expert_load()
@@ -368,8 +382,13 @@ class RunLog:
         text = "".join(_dumps(_json_safe(dict(r))) + "\n" for r in rows)
         with self._lock:
             self._check_open()
-            self._trajectories.write(text)
-            self._trajectories.flush()
+            try:
+                self._trajectories.write(text)
+                self._trajectories.flush()
+            except OSError as e:
+                steps = sorted({r.get("step") for r in rows if isinstance(r.get("step"), int)})
+                raise DiskWriteError(self.trajectories_path, e, f"{len(rows)} trajectories"
+                                     + (f" of step {steps[-1]}" if steps else "") + " were not logged") from e
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         """A markdown text summary in TensorBoard (its Text tab) at `step`; nothing without TensorBoard."""
@@ -537,9 +556,11 @@ class RunLog:
             "max_windows": self.max_windows,
             **{s: self._expert[s] for s in EXPERT_LOAD_SOURCES},
         }
-        tmp = self.expert_load_path.with_name(self.expert_load_path.name + ".tmp")
-        tmp.write_text(_dumps(data))
-        os.replace(tmp, self.expert_load_path)
+        try:
+            replace_atomically(self.expert_load_path, lambda tmp: tmp.write_text(_dumps(data)))
+        except OSError as e:
+            raise DiskWriteError(self.expert_load_path, e, "the expert loads since its last write were not "
+                                 "saved") from e
         self._expert_dirty = False
 
     def _load_expert_load(self) -> None:

@@ -125,8 +125,9 @@ class HFTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> HFTokenizer:
-        """Load from a local directory only (never the network): transformers if installed, else
-        `tokenizers` from tokenizer.json with special tokens read from tokenizer_config.json."""
+        """Load from a local directory only (never the network, never its code: trust_remote_code=False):
+        transformers if installed, else `tokenizers` from tokenizer.json with special tokens read from
+        tokenizer_config.json."""
         directory = Path(path)
         if not directory.is_dir():
             raise TaskError(f"tokenizer directory {str(directory)!r} not found")
@@ -135,10 +136,15 @@ class HFTokenizer:
             from transformers import AutoTokenizer
         except ImportError:
             return cls._from_tokenizers_json(directory)
-        try:
-            return cls(AutoTokenizer.from_pretrained(str(directory), local_files_only=True), directory=str(directory))
+        try:  # a tokenizer directory is data, never code: an `auto_map` there is refused, not asked about on stdin
+            inner = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as exc:
-            raise TaskError(f"cannot load tokenizer from {str(directory)!r}: {exc}") from exc
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            cause = ("it names custom code (auto_map in tokenizer_config.json), which moerl never runs: use a "
+                     "tokenizer that transformers implements" if "custom code" in str(exc) else
+                     lines[0] if lines else type(exc).__name__)
+            raise TaskError(f"cannot load tokenizer from {str(directory)!r}: {cause}") from None
+        return cls(inner, directory=str(directory))
 
     @classmethod
     def _from_tokenizers_json(cls, directory: Path) -> HFTokenizer:

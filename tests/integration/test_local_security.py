@@ -135,6 +135,8 @@ def test_a_local_run_listens_on_loopback_only_behind_its_own_token(tmp_path):
         token = Path(gcs_env[b"RAY_AUTH_TOKEN_PATH"].decode())
         token_dir = token.parent
         assert token.stat().st_mode & 0o777 == 0o600 and token_dir.stat().st_mode & 0o777 == 0o700
+        # Ray's sessions (sockets, logs) inside that directory, not 0777 under /tmp/ray (issue 37 item 10)
+        assert f"{token_dir / 'ray'}/session_" in _cmdline(gcs[0]), _cmdline(gcs[0])
         assert (home_token.stat().st_mtime_ns if home_token.exists() else None) == before
     finally:
         run.terminate()

@@ -34,4 +34,4 @@ def test_tiny_cpu_run_prints_each_context(capsys, monkeypatch):
     out = capsys.readouterr().out
     for ctx in (8, 32):
         assert re.search(rf"^context {ctx}: slab [\d.]+ ms, step [\d.]+ ms; floor", out, re.M), out
-        assert re.search(rf"^ctx {ctx}: Engine.step\(\), eager\s+[\d,]+ tok/s\s+[\d,]+ tok/s\s+[\d.]+x", out, re.M), out
+        assert re.search(rf"^ctx {ctx}: Engine.step\(\), eager\s+[\d.,]+ tok/s\s+[\d.,]+ tok/s\s+[\d.]+x", out, re.M), out

@@ -332,3 +332,41 @@ def test_close_ends_the_save_jobs_ray_calls_before_ray_shuts_down(tmp_path, monk
     ckpt.wait()
     assert events[-1][0] == "warning" and "the run ended before the trainer's uploads finished" in events[-1][1]
     assert ckpt.store.latest_step() is None
+
+
+@pytest.mark.parametrize("cause, needles", [
+    (OSError(f"/ckpt/step-00000004/trainer: OSError: writing __0_0.distcp failed: OSError: [Errno {errno.ENOSPC}] "
+             "No space left on device"), ("/ckpt/step-00000004/trainer", "No space left on device")),
+    (OSError("s3://bucket/run/step-00000004/trainer: StorageTimeout: write did not answer within 60 s (S3 endpoint "
+             "http://127.0.0.1:9/; checkpoint.storage_timeout_s bounds each storage call)"),
+     ("did not answer within 60 s", "S3 endpoint http://127.0.0.1:9/")),
+])
+def test_a_failed_save_names_the_ranks_own_cause_not_rays_wrapper(tmp_path, monkeypatch, capsys, cause, needles):
+    """The line read `RayTaskError(OSError): ray::TrainerRank.wait_save() (pid=..., actor_id=...)` (issue 37
+    item 3): the path and ENOSPC, or the endpoint of an S3 deadline, were in neither it nor error.log."""
+    import ray
+
+    from moerl.actors import checkpointer
+
+    wrapped = ray.exceptions.RayTaskError("TrainerRank.wait_save", "Traceback (most recent call last): ...",
+                                          cause).as_instanceof_cause()
+
+    class _FailingUpload:
+        def save_state(self, path, use_async, target=None):
+            pass
+
+        def save_done(self):
+            failed = Future()
+            failed.set_exception(wrapped)
+            return [failed]
+    monkeypatch.setattr(checkpointer.ray, "wait", lambda refs, num_returns=1, timeout=None: (refs, []))
+    monkeypatch.setattr(checkpointer.ray, "get", lambda refs, timeout=None: [f.result() for f in refs])
+    events = []
+    ckpt = Checkpointer(str(tmp_path / "ckpts"), keep=2, arch=tiny_config(), fingerprint={}, use_async=False,
+                        on_event=lambda kind, text: events.append((kind, text)))
+    ckpt.save(4, _FailingUpload(), {"step": 4})
+    (kind, text), = events
+    assert kind == "warning" and text.startswith(f"checkpoint step 4 to {tmp_path / 'ckpts'}/step-00000004 failed: "
+                                                 "OSError: ")
+    assert all(n in text for n in needles), text
+    assert "ray::" not in text and "actor_id" not in text and "RayTaskError" not in text

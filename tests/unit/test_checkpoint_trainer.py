@@ -269,7 +269,7 @@ def test_export_serves_with_the_source_models_tokenizer_and_generation_config(tm
     with caplog.at_level("WARNING", logger="moerl.checkpoint.export"):
         assert not any(n in (p.name for p in export_policy(bare.root, str(tmp_path / "bare_hf")).iterdir())
                        for n in files)
-    assert "no tokenizer files in the checkpoint" in caplog.text and "--source MODEL_DIR" in caplog.text
+    assert "no tokenizer files in the checkpoint" in caplog.text and "--source MODEL_OR_TOKENIZER_DIR" in caplog.text
     assert cli(["export", bare.root, str(tmp_path / "sourced"), "--source", str(source)]) == 0
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "sourced", local_files_only=True).chat_template
     assert (tmp_path / "sourced" / "generation_config.json").is_file()
@@ -398,18 +398,15 @@ def test_a_flipped_byte_of_the_same_size_is_refused_by_verify_resume_and_export(
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_manifest_without_checksums_still_resumes_and_exports(tmp_path):
-    """Checkpoints written before checksums: sizes only, no crash."""
+def test_a_manifest_without_checksums_is_refused_by_resume(tmp_path):
+    """A manifest without its checksums turned the check off (issue 37 item 7): refused now, by resume as by export
+    (tests/unit/test_export_untrusted.py)."""
     tr, ckpt, manifest = _committed(tmp_path, use_async=False)
     commit = tmp_path / "ckpts" / "step-00000001" / "COMMIT"
     old = {k: v for k, v in json.loads(commit.read_text()).items() if k != "checksums"}
     commit.write_text(json.dumps(old))
-    assert "checksums" not in ckpt.store.verify(1)
-    fresh = make_trainer(seed=3, bias_rate=0.0)
-    step, state = ckpt.restore(_LocalTrainer(fresh))
-    assert step == 1 and state == {"steps": 1} and fresh.steps_done == 1
-    assert_same(snapshot(fresh), snapshot(tr))
-    assert export_policy(ckpt.store.root, str(tmp_path / "hf")).joinpath("config.json").is_file()
+    with pytest.raises(CheckpointError, match="no 'checksums' table"):
+        ckpt.restore(_LocalTrainer(make_trainer(seed=3, bias_rate=0.0)))
 
 
 def test_commit_hashes_by_reading_back_only_files_it_was_not_given(tmp_path, caplog):

@@ -459,3 +459,21 @@ def test_rollout_engine_keys_reach_the_engine_config(overlap, flag):
     worker, _ = _specs(cfg, model_architecture(cfg, task), task)
     assert worker.engine.overlap_decode is {"on": True, "off": False, "auto": None}[overlap]
     assert worker.engine.prefix_caching is (flag == "true")
+
+
+def test_a_config_with_a_utf8_byte_order_mark_loads(tmp_path):
+    """Windows editors save UTF-8 with a BOM: it read as "Invalid statement" (issue 37 item 13)."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + DEMO.read_bytes())
+    assert load_config(path) == load_config(DEMO)
+
+
+@pytest.mark.parametrize("url", ["ftp://host/ckpts", "gs://bucket/x", "http://example.com/c"])
+def test_a_checkpoint_dir_of_a_scheme_moerl_cannot_store_through_is_refused(url):
+    """`ftp://...` reached fsspec and ended in a bare gaierror (issue 37 item 13)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, [f"--checkpoint.dir={url}"])
+    scheme = url.split("://")[0]
+    assert str(e.value).startswith("config key 'checkpoint.dir' has the scheme") and f"'{scheme}://'" in str(e.value)
+    assert "a local path or s3://bucket/prefix" in str(e.value)
+    assert load_config(DEMO, ["--checkpoint.dir=s3://bucket/x"]).checkpoint.dir == "s3://bucket/x"

@@ -43,7 +43,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "moerl"
 # name wins (moerl.train.config is base, the rest of moerl.train is not).
 LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "base": (("moerl", "moerl.checks", "moerl.redact", "moerl.wire", "moerl.rendezvous", "moerl.config",
-              "moerl.config_loader", "moerl.config_docs", "moerl.train.config"),),
+              "moerl.config_loader", "moerl.config_docs", "moerl.train.config", "moerl.startup"),),
     "kernels": (("moerl.kernels",),),
     "ep": (("moerl.ep",),),
     "model": (("moerl.model",),),

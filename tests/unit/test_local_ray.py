@@ -34,15 +34,17 @@ def test_the_run_token_is_private_and_removed_at_the_end(monkeypatch):
 def test_a_token_the_environment_names_or_no_token_mode_is_left_alone(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "mine"))
-    token = local_ray.RunToken()
+    token = local_ray.RunToken(base=str(tmp_path))
     token.open()
     assert token.path is None and os.environ["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "mine")
     token.close()
     assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "mine")
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    token = local_ray.RunToken(base=str(tmp_path))
     token.open()
     assert token.path is None and "RAY_AUTH_TOKEN_PATH" not in os.environ
+    token.close()
 
 
 def test_loopback_env_before_ray_is_imported_only(monkeypatch):
@@ -56,3 +58,61 @@ def test_loopback_env_before_ray_is_imported_only(monkeypatch):
     assert local_ray.LOOPBACK not in os.environ
     local_ray.loopback_env(local=True)
     assert os.environ[local_ray.LOOPBACK] == "0" and os.environ["RAY_AUTH_MODE"] == "token"
+
+
+def test_rays_temp_dir_is_inside_the_runs_private_directory(monkeypatch, tmp_path):
+    """Ray's session directories under the system temp dir were 0777 (issue 37 item 10): a local run gives Ray a temp
+    dir inside its own 0700 directory, removed with it."""
+    import ray
+
+    from moerl import run
+    from moerl.config import load_config
+
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    token = local_ray.RunToken(base=str(tmp_path))
+    try:
+        assert run._init_ray(load_config(None, []), token)
+        assert seen["_temp_dir"] == token.ray_temp_dir and seen["_temp_dir"].startswith(token.directory + os.sep)
+        assert stat.S_IMODE(os.stat(token.directory).st_mode) == 0o700
+    finally:
+        token.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_stale_private_directories_go_at_the_next_start_only_when_their_owner_is_gone(monkeypatch, tmp_path):
+    """A SIGKILL of the driver left its token directory behind (issue 37 item 10)."""
+    import json
+    import subprocess
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def leave(name: str, owner: dict | None) -> str:
+        path = tmp_path / f"{local_ray.PREFIX}{name}"
+        (path / "ray").mkdir(parents=True)
+        (path / "auth_token").write_text("x")
+        if owner is not None:
+            (path / local_ray.OWNER_FILE).write_text(json.dumps(owner))
+        return path.name
+    dead = leave("dead", {"pid": gone.pid, "proc_start": None})
+    recycled = leave("recycled", {"pid": os.getpid(), "proc_start": "1"})  # this pid, another process's start
+    live = leave("live", {"pid": os.getpid(), "proc_start": None})
+    unknown = leave("unknown", None)
+    (tmp_path / "unrelated").mkdir()
+    token = local_ray.RunToken(base=str(tmp_path))
+    token.open()
+    try:
+        left = sorted(os.listdir(tmp_path))
+        assert dead not in left and recycled not in left
+        assert {live, unknown, "unrelated", os.path.basename(token.directory)} == set(left)
+        owner = json.loads(open(os.path.join(token.directory, local_ray.OWNER_FILE)).read())
+        assert owner["pid"] == os.getpid()
+    finally:
+        token.close()

@@ -527,3 +527,37 @@ def test_a_local_ray_gets_its_auth_mode_before_ray_is_imported(tmp_path) -> None
         assert seen == {{"mode": "token"}}, seen
     """
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("--rollout.group_size=100000000", "config key 'rollout.group_size' is 100000000, more than one engine's batch "
+                                       "(rollout.max_batch_size=64)"),
+    ("--rollout.kv_cache_tokens=100", "a group of 8 x rollout.max_seq_len=32 tokens needs 256 tokens of KV cache, one "
+                                      "engine holds 100 (rollout.kv_cache_tokens)"),
+])
+def test_a_group_one_engine_cannot_hold_is_refused_before_ray(override, needle, tmp_path, capsys,
+                                                              monkeypatch) -> None:
+    """--rollout.group_size=100000000 passed every check; the driver then sat at 7.5 GB while workers were called
+    stuck and replaced, and nothing named the group size (issue 37 item 12)."""
+    from moerl import run
+
+    monkeypatch.setattr(run, "train", lambda cfg, **kw: pytest.fail("the run started"))
+    code, err, _ = train([f"--run.dir={tmp_path / 'run'}", override], capsys)
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert no_ray_started()
+
+
+def test_a_step_batch_over_the_drivers_memory_is_refused_naming_the_keys() -> None:
+    from moerl.run import model_architecture
+    from moerl.tasks.arithmetic import ArithmeticTask
+
+    cfg = load_config(DEMO, ["--rollout.max_batch_size=4096", "--rollout.group_size=4096"])
+    arch = model_architecture(cfg, ArithmeticTask())
+    tokens = 8 * 4096 * 32
+    with pytest.raises(PreflightError) as e:
+        preflight.check_capacity(cfg, arch, available=tokens * preflight.driver_bytes_per_token(arch))
+    assert str(e.value).startswith("config keys 'train.batch_groups' x 'rollout.group_size' x 'rollout.max_seq_len' "
+                                   f"(8 x 4096 x 32 = {tokens} tokens) make a step's batch of up to ")
+    assert "lower train.batch_groups or rollout.group_size" in str(e.value)
+    preflight.check_capacity(cfg, arch, available=3 * tokens * preflight.driver_bytes_per_token(arch))
+    preflight.check_capacity(load_config(DEMO), arch)  # the demo, on this machine

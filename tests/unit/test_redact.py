@@ -103,3 +103,27 @@ def test_a_failed_runs_error_line_and_traceback_are_redacted(tmp_path, monkeypat
         assert_clean(capsys.readouterr().err)
     assert "Traceback" in (tmp_path / "error.log").read_text()
     assert_clean((tmp_path / "error.log").read_text())
+
+
+# values that hold a credential under a neutral name (issue 37 item 6): each refused, never echoed
+SECRET_VALUES = {"DATABASE_URL": "postgres://app:hunter2-PASSWORD-VALUE@db:5432/x",
+                 "LLM_KEYS": "sk-proj-Abc123Def456Ghi789Jkl012", "REPO": "ghp_abcdefghijklmnopqrstuvwxyz0123456789",
+                 "AWS_ID": "AKIAIOSFODNN7EXAMPLE", "MODEL_HUB": "hf_abcdefghijklmnopqrstuvwxyzABCDEF"}
+
+
+@pytest.mark.parametrize("name", sorted(SECRET_VALUES))
+def test_a_credential_under_a_neutral_name_in_launch_env_is_refused_by_its_value(name, tmp_path, capsys) -> None:
+    value = SECRET_VALUES[name]
+    assert cli(["config", DEMO, f'--launch.env={{{name}="{value}"}}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"'launch.env' entry {name!r} holds " in err[0] and "launch.secret_env" in err[0], err
+    assert value not in err[0] and value.split("@")[0] not in err[0]
+    assert redact(f"x {value} y", env={}) != f"x {value} y"  # and masked wherever it would be printed
+
+
+def test_ordinary_values_pass_the_value_screen() -> None:
+    from moerl.redact import secret_in_value
+
+    for value in ("false", "s3://bucket/prefix", "https://example.com/path", "/data/sk-models", "risk-averse",
+                  "us-east-1", "https://user@host/repo", "1", "TOKENIZERS", "task-skip-0"):
+        assert secret_in_value(value) is None, value

@@ -158,3 +158,19 @@ def test_resume_step_of_an_older_checkpoint_does_not_call_newer_ones_unsaved(tmp
     assert code == 0 and seen["step"] == 3
     assert not any("did not finish" in note for note in seen["notes"]), seen["notes"]
     assert seen["notes"][1].startswith("rolling back 3 logged steps (4-6)")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--resume-override", "rollout.group_size"], "--resume-override applies to a resumed run only"),
+    (["--resume", "--resume-step", "5"], "argument --resume-step: not allowed with argument --resume"),
+])
+def test_resume_flags_that_contradict_each_other_are_refused(argv, needle, capsys, monkeypatch, tmp_path) -> None:
+    """--resume-override without --resume was ignored, and --resume with --resume-step accepted though the usage
+    calls them exclusive (issue 37 item 13): refused before anything loads, exit 2."""
+    from moerl import train_cli
+    from moerl.cli import main as cli
+
+    monkeypatch.setattr(train_cli, "main", lambda argv: 0)  # what would have run: the job itself
+    with pytest.raises(SystemExit) as e:
+        cli(["train", "configs/demo.toml", f"--run.dir={tmp_path}", *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -342,3 +342,57 @@ def test_gumbel_uniform_never_reaches_one():
     assert bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
     g = gumbel_at(torch.arange(64), torch.zeros(64, dtype=torch.int64), torch.arange(4096)[None].expand(64, -1))
     assert torch.isfinite(g).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A model vocabulary padded past the tokenizer's (issue 37 item 13): those ids are never sampled
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+                                dict(temperature=1.0, top_p=0.9)])
+def test_ids_past_the_vocab_limit_are_never_sampled_and_logprobs_stay_full_vocabulary(kw):
+    logits_V = torch.cat([V8_LOGITS, torch.full((4,), 9.0)])  # 4 padded ids, each more likely than any real one
+    n = 256
+    params = [SamplingParams(seed=s, **kw) for s in range(n)]
+    batch = batch_of(params, [5] * n)
+    token_B, logprob_B = sample(logits_V.expand(n, -1), batch, vocab_limit=8)
+    assert int(token_B.max()) < 8
+    t = kw["temperature"] or 1.0
+    full = torch.log_softmax(logits_V / t, dim=-1)
+    assert torch.allclose(logprob_B, full[token_B], atol=1e-6)  # what the trainer recomputes
+    unlimited, _ = sample(logits_V.expand(n, -1), batch)
+    assert int(unlimited.min()) >= 8  # without the limit the padded ids win
+    inside, _ = sample(V8_LOGITS.expand(n, -1), batch)
+    assert torch.equal(token_B, inside)  # the same draws as a model of exactly 8 ids
+
+
+def test_the_engine_samples_within_the_tokenizers_vocabulary():
+    cfg = MoEModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16, initializer_range=0.1)
+    padded = build_model(cfg, seed=3).eval()
+    with torch.no_grad():
+        padded.lm_head.weight[48:] = padded.lm_head.weight[:16] * 50  # padded rows that dominate every logit
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=4)
+    assert max(Engine(padded, EngineConfig(max_seq_len=64)).generate([PROMPT], params)[0].token_ids) >= 48
+    out = Engine(padded, EngineConfig(max_seq_len=64, vocab_limit=48)).generate([PROMPT], params)[0]
+    assert max(out.token_ids) < 48 and len(out.token_ids) == 12
+
+
+def test_a_run_limits_sampling_to_its_tokenizer_and_refuses_a_smaller_model_vocabulary():
+    from moerl import preflight, run
+    from moerl.config import load_config
+    from moerl.preflight import PreflightError
+    from moerl.tasks.arithmetic import ArithmeticTask
+
+    cfg, task = load_config(None, []), ArithmeticTask()
+    padded = run.model_architecture(cfg, task)
+    padded.vocab_size = task.tokenizer.vocab_size + 45
+    worker, _ = run._specs(cfg, padded, task)
+    assert worker.engine.vocab_limit == task.tokenizer.vocab_size == 259
+    exact, _ = run._specs(cfg, run.model_architecture(cfg, task), task)
+    assert exact.engine.vocab_limit == 0
+    small = run.model_architecture(cfg, task)
+    small.vocab_size = 200
+    with pytest.raises(PreflightError, match="tokenizer has 259 ids .* vocabulary has 200"):
+        preflight.check_tokenizer(task, small)

@@ -78,3 +78,22 @@ def test_moerl_train_refuses_a_locked_run_dir_before_ray(tmp_path, capsys, monke
         assert len(err) == 1 and err[0].startswith(f"error: run.dir '{tmp_path / 'run'}' is in use by another run")
     assert train_cli.main([DEMO, f"--run.dir={tmp_path / 'run'}"]) == 0  # and the run releases it at its end
     assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+def test_two_runs_of_different_run_dirs_cannot_share_one_checkpoint_dir(tmp_path) -> None:
+    """The lock covered the run directory only (issue 37 item 10): a second run with its own run.dir saved into the
+    first one's checkpoint.dir (and pruned its steps)."""
+    from moerl import run
+    from moerl.config import load_config
+
+    shared = tmp_path / "ckpts"
+    first = run.prepare(load_config(DEMO, [f"--run.dir={tmp_path / 'a'}", f"--checkpoint.dir={shared}"]))
+    try:
+        with pytest.raises(PreflightError, match=rf"^checkpoint.dir '{shared}' is in use by another run: pid "
+                                                 rf"{os.getpid()} .*choose another --checkpoint.dir"):
+            run.prepare(load_config(DEMO, [f"--run.dir={tmp_path / 'b'}", f"--checkpoint.dir={shared}"]))
+        assert not (tmp_path / "b").exists()  # the refused run left nothing behind
+    finally:
+        first.release()
+    assert not (shared / LOCK_FILE).exists() and not (tmp_path / "a" / LOCK_FILE).exists()
+    run.prepare(load_config(DEMO, [f"--run.dir={tmp_path / 'b'}", f"--checkpoint.dir={shared}"])).release()

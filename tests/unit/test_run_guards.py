@@ -175,3 +175,62 @@ def test_the_watchdog_warns_at_each_quarter_and_starts_again_on_a_step():
     off = StepWatchdog(0.0, said.append, clock=lambda: now[0])
     now[0] = 10**9
     off.check(1, lambda: "x")
+
+
+def test_the_watchdogs_clock_starts_again_when_a_step_finishes():
+    """The controller never restarted it: a run longer than train.step_timeout_s ended at that time, whatever step
+    it was at (issue 37 item 2)."""
+    now = [0.0]
+    dog = StepWatchdog(100.0, lambda text: None, clock=lambda: now[0])
+    for step, t in ((1, 0), (1, 90), (2, 150), (3, 240), (3, 330)):
+        now[0] = t
+        dog.check(step, lambda: "x")  # every step within 100 s of the previous one
+    now[0] = 340
+    with pytest.raises(RunFailed, match="step 3 did not finish within"):
+        dog.check(3, lambda: "x")
+    for t in (400, 10_000):  # a wait the caller says is not a step's (workers starting): not counted
+        now[0] = t
+        dog.check(4, lambda: "x", counting=False)
+    now[0] = 10_099
+    dog.check(4, lambda: "x")
+
+
+class _SlowStart:
+    """A fake clock that moves 1 s per reading, and a pool whose workers come up only at `up_at` on it."""
+
+    def __init__(self, pool, up_at: float) -> None:
+        self.t, self.pool, self.up_at, self.alive = 0.0, pool, up_at, pool.alive
+        pool.alive = lambda: self.alive() if self.t >= up_at else 0
+        pool.ready_ids_up = pool.ready_ids
+        pool.ready_ids = lambda: pool.ready_ids_up() if self.t >= up_at else []
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def test_rollout_workers_starting_are_not_a_steps_wait():
+    """With train.step_timeout_s below the workers' start time the run died before step 1 ("0 of 2 rollout
+    workers up"): their start is bounded by rollout.start_timeout_s, not by the step watchdog."""
+    from moerl.loop.controller import Controller
+
+    ctl, queue, pool = controller(workers=("w0",), auto=True, steps=3, batch_groups=1, step_timeout_s=50.0)
+    clock = _SlowStart(pool, up_at=500.0)  # ten times the step timeout
+    ctl = Controller(ctl.cfg, ctl.task, queue, pool, ctl.trainer, ctl.weights, ctl.builder, ctl.on_step, now=clock)
+    assert ctl.run().step == 3 and clock.t >= 500
+
+
+def test_a_stuck_trainer_is_named_with_the_time_its_step_has_run():
+    """A stopped trainer was reported as "whose step has run for 0 s" (the watchdog counted from the run's start,
+    the step's time from its own): now both count on one clock, from the step's start."""
+    from moerl.loop.controller import Controller
+
+    ctl, queue, pool = controller(workers=("w0",), auto=True, steps=5, batch_groups=1, step_timeout_s=40.0)
+    clock = _SlowStart(pool, up_at=0.0)
+    ctl = Controller(ctl.cfg, ctl.task, queue, pool, ctl.trainer, ctl.weights, ctl.builder, ctl.on_step, now=clock)
+    ctl.trainer.hold = True  # the first step never finishes
+    with pytest.raises(RunFailed) as e:
+        ctl.run()
+    ran = int(str(e.value).split("whose step has run for ")[1].split(" s")[0])
+    assert str(e.value).startswith("step 1 did not finish within train.step_timeout_s = 40 s; it waits for the "
+                                   "trainer, whose step has run for ") and 30 <= ran <= 50, str(e.value)

@@ -451,3 +451,37 @@ def test_a_large_problem_space_holds_out_an_endless_stream():
 def test_a_split_that_leaves_a_side_empty_is_refused(options, match):
     with pytest.raises(TaskError, match=match):
         ArithmeticTask(ArithmeticConfig(**options))
+
+
+def test_a_tokenizer_directory_with_custom_code_never_runs_it(tmp_path: Path, monkeypatch) -> None:
+    """An `auto_map` in tokenizer_config.json made transformers ask "run the custom code? [y/N]" on stdin: a `y`
+    ran the directory's Python, and on a terminal the question blocked (issue 37 item 5). Refused, in one line."""
+    pytest.importorskip("transformers")
+    import io
+
+    _save_word_level_tokenizer(tmp_path)
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil_tokenizer.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PreTrainedTokenizerFast\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class")
+    config["auto_map"] = {"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))  # what piping `y` into the command did
+    with pytest.raises(TaskError) as e:
+        HFTokenizer.from_pretrained(tmp_path)
+    assert not marker.exists()
+    assert "\n" not in str(e.value) and "custom code" in str(e.value)
+
+
+def test_every_transformers_load_refuses_remote_code() -> None:
+    """Every from_pretrained call in moerl passes trust_remote_code=False (tokenizer, config, generation config)."""
+    root = Path(__file__).resolve().parents[2] / "moerl"
+    calls = []
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        for m in re.finditer(r"\b(Auto\w+|GenerationConfig|PretrainedConfig)\.from_pretrained\(", text):
+            end = text.index("\n\n", m.end()) if "\n\n" in text[m.end():] else len(text)
+            calls.append((path.name, "trust_remote_code=False" in text[m.end():end]))
+    assert calls and all(ok for _, ok in calls), calls
