@@ -252,8 +252,7 @@ def policy_loss(
 
         clipped = config.trust_region != "none"
         masked = mask & ~keep
-        truncated = (w_raw > config.is_cap) & mask if config.is_correction == "tis" and config.trust_region != \
-            "behaviour" else torch.zeros_like(mask)
+        truncated = (w_raw > config.is_cap) & mask if config.is_correction == "tis" else torch.zeros_like(mask)
         clip_low = (adv < 0) & (ratio < lo) & mask & clipped
         clip_high = (adv > 0) & (ratio > hi) & mask & clipped
         dual = (adv < 0) & (ratio > config.clip_ratio_c) & mask & clipped & (config.clip_ratio_c > 0)
