@@ -29,6 +29,10 @@ class Completion(PackedTensorFields):
     finish_reason: FinishReason | None = None
     error: str | None = None  # set when finish_reason == "error": why this request was refused
     seed: int | None = None  # the sampling seed used: continuing with it reproduces the same noise
+    # A multi-turn episode (moerl/loop/episode.py) keeps its whole transcript after the prompt in token_ids: 1 marks
+    # the model's tokens, 0 an observation's (the environment's, appended between turns; log-prob 0.0, version of the
+    # model token before it). The engine never reads it: to the engine an observation is part of the prefix.
+    loss_mask: list[int] | None = None
 
     _packed_fields = ("routed_experts",)  # pickled as raw bytes: see moerl/wire.py
 
