@@ -38,7 +38,7 @@ class SampleBuilder:
             all_equal += bool((rewards == rewards[0]).all())  # zero advantage: no learning signal from this group
             for adv, i in zip(advantages, valid):
                 c = g.completions[i]
-                samples.append(Sample(c.prompt_token_ids, c.token_ids, c.logprobs, adv, c.routed_experts))
+                samples.append(Sample(c.prompt_token_ids, c.token_ids, c.logprobs, adv, c.routed_experts, c.loss_mask))
                 if c.routed_experts is not None and c.routed_experts.numel():
                     routed.append(c.routed_experts.numpy())
                 rewards_all.append(g.rewards[i])

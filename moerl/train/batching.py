@@ -114,6 +114,11 @@ def pack(samples: list[Sample], num_moe_layers: int, top_k: int, device: torch.d
         ids.extend(seq[:-1])
         targets.extend(seq[1:])
         mask[i, p - 1: n] = True
+        if s.loss_mask is not None:  # observation tokens of a multi-turn episode: inputs only, no loss
+            if len(s.loss_mask) != len(s.completion_ids):
+                raise ValueError(f"sample {i}: loss_mask has {len(s.loss_mask)} entries for "
+                                 f"{len(s.completion_ids)} completion tokens")
+            mask[i, p - 1: n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         behaviour[i, p - 1: n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         if have_routing:
             if tuple(s.routed_experts.shape) != (n, num_moe_layers, top_k):

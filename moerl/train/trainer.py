@@ -216,7 +216,7 @@ class PolicyTrainer:
     def _m2_cutoff(self, samples: list[Sample], start: dict[int, torch.Tensor]) -> float:
         """M2PO's cutoff over the whole step: every rank's log-weights gathered (padded to the longest), the same
         number on every rank."""
-        log_w_N = torch.cat([off_policy_log_weights(start[id(s)], torch.tensor(s.behaviour_logprobs,
+        log_w_N = torch.cat([off_policy_log_weights(start[id(s)], torch.tensor(s.model_behaviour(),
                                                                                 device=self.device))
                              for s in samples]) if samples else torch.zeros(0, dtype=torch.float64, device=self.device)
         if self.group is not None and self.world > 1:
