@@ -168,6 +168,13 @@ class RolloutConfig:
     """preemption: hand back and exit within this"""
     imds_url: str = ""
     """EC2 spot notice URL to poll every 5 s ("" = off; SIGTERM always works)"""
+    max_turns: int = 8
+    """multi-turn tasks (docs/environments.md): model turns per episode; an episode still going is cut (trained
+    with the rewards it collected, counted in episode/cut_turns)"""
+    max_episode_tokens: int = 0
+    """multi-turn tasks: model and observation tokens after the prompt per episode, cut past it; 0 = max_new_tokens"""
+    tool_timeout_s: float = 30.0
+    """multi-turn tasks: one environment step (a tool call) running past this fails its episode (never a zero)"""
 
     def validate(self) -> None:
         for name in ("num_workers", "max_new_tokens", "max_batch_size", "ep_size"):
@@ -183,6 +190,10 @@ class RolloutConfig:
         require(self.kv_block_size >= 1, "kv_block_size", "must be >= 1")
         require(self.kv_cache_tokens >= 0, "kv_cache_tokens", "must be >= 0 (0 = from memory)")
         require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        require(0 <= self.max_episode_tokens < self.max_seq_len, "max_episode_tokens",
+                f"must be in [0, rollout.max_seq_len={self.max_seq_len}) (0 = max_new_tokens)")
+        require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
         require(self.max_worker_losses >= 0, "max_worker_losses", "must be >= 0 (0 = max(8, 2 x num_workers))")
         require(self.respawn_backoff_s >= 0, "respawn_backoff_s", "must be >= 0")
         require(self.respawn_backoff_max_s >= self.respawn_backoff_s, "respawn_backoff_max_s",

@@ -25,6 +25,7 @@ import torch
 
 from moerl import local_ray, preflight
 from moerl.config import MoerlConfig
+from moerl.loop.episode import EpisodeLimits
 from moerl.model import MoEModelConfig, read_config, read_stop_token_ids, tiny_config
 from moerl.preflight import PreflightError, one_line
 from moerl.ray_gc import gc_frozen
@@ -99,6 +100,9 @@ def _specs(cfg: MoerlConfig, arch: MoEModelConfig, task: Task):
                         seed=cfg.run.seed, threads=cfg.rollout.threads, grace_s=cfg.rollout.grace_s,
                         imds_url=cfg.rollout.imds_url, ep_size=cfg.rollout.ep_size,
                         reward_timeout_s=cfg.task.reward_timeout_s,
+                        episode_limits=EpisodeLimits(cfg.rollout.max_turns,
+                                                     cfg.rollout.max_episode_tokens or cfg.rollout.max_new_tokens,
+                                                     cfg.rollout.tool_timeout_s),
                         expert_bias=cfg.model.expert_bias_update_rate > 0)
     trainer = TrainerSpec(arch=arch.to_hf_dict(), model_path=cfg.model.path, dtype=cfg.model.dtype, device=device,
                           optim=t.optim, loss=t.loss, ep_size=cfg.ep.size,

@@ -24,6 +24,7 @@ import torch
 from moerl.actors import weight_sync
 from moerl.actors.engine_ranks import start_engine_group
 from moerl.actors.engine_thread import EngineThread
+from moerl.actors.episodes import run_episode_group
 from moerl.actors.eval_runner import EvalRunner
 from moerl.actors.worker_spec import WorkerSpec, rollout_model
 from moerl.loop.evaluation import EvalRequest, EvalResult
@@ -34,6 +35,7 @@ from moerl.rollout import Engine
 from moerl.rollout.group_leader import GroupLeader
 from moerl.rollout.memory import plan_for_device
 from moerl.tasks.base import load_task
+from moerl.tasks.episodic import is_episodic
 from moerl.tasks.scoring import RewardScorer
 
 
@@ -102,6 +104,11 @@ class RolloutWorker:
                 self._inflight_groups -= 1
 
     def _run_group(self, task: GroupTask, t0: float) -> GroupResult:
+        if is_episodic(self.task):  # multi-turn: the environment scores each episode
+            return run_episode_group(task, episodic=self.task, engine=self.engine, sampling=self.spec.sampling,
+                                     seed_of=lambda i: sample_seed(self.spec.seed, task.task_id, i),
+                                     limits=self.spec.episode_limits, preempting=self.preempting,
+                                     timeout_s=self.spec.group_timeout_s, worker_id=self.worker_id)
         futures = []
         for i in range(task.group_size):
             partial = task.partials[i] if i < len(task.partials) else None
@@ -177,6 +184,7 @@ class RolloutWorker:
         """Stop taking work, abort in-flight requests (their partials go back), exit after handing back."""
         if self.preempting.is_set():
             return
+        print(f"rollout worker {self.worker_id}: preempted ({reason}); handing back its work", flush=True)
         self.preempting.set()
         self.engine.abort_all()
         threading.Thread(target=self._exit_when_handed_back, daemon=True, name="moerl-exit").start()

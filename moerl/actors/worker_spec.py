@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moerl.loop.episode import EpisodeLimits
 from moerl.rollout import EngineConfig, SamplingParams
 
 
@@ -30,6 +31,7 @@ class WorkerSpec:
     group_timeout_s: float = 600.0
     ep_size: int = 1  # ranks of the engine: > 1 runs an engine group (moerl/actors/engine_ranks.py)
     reward_timeout_s: float = 60.0  # a reward past this fails its sample (task.reward_timeout_s)
+    episode_limits: EpisodeLimits = EpisodeLimits()  # multi-turn tasks: rollout.max_turns, max_episode_tokens, tool_timeout_s
     expert_bias: bool = False  # choose experts with the router's expert bias, as the trainer does (it arrives with the weights)
 
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from moerl.rollout.sampling import SamplingParams
 from moerl.rollout.types import Completion
 from moerl.tasks.chat_delta import Renderer
-from moerl.tasks.env import EnvError, EnvStep, Environment, check_step
+from moerl.tasks.env import EnvError, EnvStep, Environment, EpisodeStart, check_step
 
 Generate = Callable[[list[int], SamplingParams, Completion | None], Completion]
 
@@ -39,14 +39,6 @@ class EpisodeLimits:
     max_turns: int = 8  # model turns; the episode is cut after this many
     max_tokens: int = 512  # tokens after the prompt, the model's and the observations' together
     tool_timeout_s: float = 30.0  # one env.step (tool call) past this fails the episode
-
-
-@dataclass
-class EpisodeStart:
-    """What a task gives for one episode: the first messages and the env's per-prompt extras."""
-
-    messages: list[dict[str, str]]
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

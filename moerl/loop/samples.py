@@ -50,7 +50,8 @@ class SampleBuilder:
                              "versions": [min(c.versions, default=version), max(c.versions, default=version)],
                              "trained_at_version": version, "reward": g.rewards[i], "advantage": adv,
                              "prompt_len": len(c.prompt_token_ids), "completion_len": len(c.token_ids),
-                             "finish_reason": c.finish_reason, "completion_ids": list(c.token_ids)})
+                             "finish_reason": c.finish_reason, "completion_ids": list(c.token_ids),
+                             **({"episode": g.episodes[i]} if g.episodes else {})})
         n = max(1, len(rewards_all))
         L, E = self.num_moe_layers, self.num_experts
         # One bincount over the whole batch: small torch ops per sample cost ~2 ms each in a driver whose
@@ -67,6 +68,7 @@ class SampleBuilder:
             "staleness/mean": sum(staleness) / n, "staleness/max": max(staleness, default=0),
             "expert_counts_rollout": counts_LE.tolist(),
         }
+        stats.update(episode_stats([e for g in groups for e in g.episodes]))
         return samples, rows, stats
 
     def add_text(self, rows: list[dict]) -> list[dict]:
@@ -84,7 +86,10 @@ class SampleBuilder:
                     prompts[index] = (None, None)
                     self._warn(e)
             try:
-                completion = completion_text(self.task.tokenizer, row.get("completion_ids") or [])
+                ids = row.get("completion_ids") or []
+                # An episode's transcript holds a stop token after every model turn: decode it whole.
+                completion = (self.task.tokenizer.decode(ids) if "episode" in row
+                              else completion_text(self.task.tokenizer, ids))
             except Exception as e:  # noqa: BLE001
                 completion = None
                 self._warn(e)
@@ -98,3 +103,21 @@ class SampleBuilder:
         if not self._text_warned:
             self._text_warned = True
             warnings.warn(f"trajectory text left out: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+
+
+def episode_stats(episodes: list[dict]) -> dict[str, float]:
+    """Multi-turn tasks' batch statistics from `Episode.stats()` rows (none for single-turn tasks): means per episode
+    of turns, tool calls and errors, model and observation tokens; episodes cut by each limit and failed."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    mean = lambda key: sum(e.get(key) or 0 for e in episodes) / n  # noqa: E731
+    calls = sum(e.get("tool_calls") or 0 for e in episodes)
+    return {"episode/turns_mean": mean("turns"), "episode/tool_calls_mean": mean("tool_calls"),
+            "episode/tool_errors_mean": mean("tool_errors"),
+            "episode/tool_error_frac": sum(e.get("tool_errors") or 0 for e in episodes) / max(1, calls),
+            "episode/model_tokens_mean": mean("model_tokens"), "episode/obs_tokens_mean": mean("obs_tokens"),
+            "episode/cut_turns": sum(e.get("cut_by") == "turns" for e in episodes),
+            "episode/cut_tokens": sum(e.get("cut_by") == "tokens" for e in episodes),
+            "episode/failed": sum(e.get("status") == "failed" for e in episodes)}
+

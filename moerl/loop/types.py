@@ -62,6 +62,7 @@ class GroupResult:
     error: str | None = None
     seconds: float = 0.0  # generating and scoring the group, on the worker
     apply_s: float = 0.0  # the worker's engine paused to apply new weights since its previous result
+    episodes: list[dict] = field(default_factory=list)  # multi-turn tasks: Episode.stats() per sample
 
 
 @dataclass

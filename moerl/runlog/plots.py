@@ -1,6 +1,7 @@
 """PNG plots of a run, from `<run_dir>/metrics.jsonl` and `<run_dir>/expert_load.json`.
 
     reward.png               reward/mean per step, its rolling mean, eval/reward when logged
+    episodes.png             multi-turn tasks: turns, tool calls and errors, observation vs model tokens, cut, failed
     throughput.png           samples/s and tokens/s over a window of recent steps (from each row's `time`, `samples`
                              and `tokens`), the run's average dashed; staleness below
     step_time.png            each step's wall time by the controller's phases, in percent (moerl/loop/phases.py)
@@ -53,6 +54,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         ("reward.png", lambda: _reward_figure(rows, run_dir.name)),
         ("throughput.png", lambda: _throughput_figure(rows, run_dir.name)),
         ("step_time.png", lambda: _step_time_figure(rows, run_dir.name)),
+        ("episodes.png", lambda: _episodes_figure(rows, run_dir.name)),
     ]
     for source in EXPERT_LOAD_SOURCES:
         jobs.append((f"expert_load_{source}.png", lambda s=source: _expert_load_figure(load, s, run_dir.name)))
@@ -285,6 +287,30 @@ def _step_time_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
     ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
     ax.set_title(f"Where each step's time goes (median step {median_ms:.0f} ms) — {run_name}")
     ax.set_xlabel("trainer step")
+    return fig
+
+
+EPISODE_PANELS = (("episode/turns_mean", "turns per episode"), ("episode/tool_calls_mean", "tool calls per episode"),
+                  ("episode/tool_error_frac", "tool errors per call"),
+                  ("episode/obs_tokens_mean", "observation tokens per episode"),
+                  ("episode/model_tokens_mean", "model tokens per episode"),
+                  ("episode/cut_turns", "episodes cut by max_turns"), ("episode/cut_tokens", "cut by max_episode_tokens"),
+                  ("episode/failed", "episodes failed"))
+
+
+def _episodes_figure(rows: list[dict[str, Any]], run_name: str) -> Any:
+    """Multi-turn tasks only (metrics episode/*): turns, tool calls and errors, tokens, cut and failed episodes."""
+    panels = [(series, label) for key, label in EPISODE_PANELS if (series := _series(rows, key)) is not None]
+    if not panels:
+        return None
+    fig, axes = _new_figure(8, 1.6 * len(panels), nrows=len(panels))
+    for ax, ((steps, values), label) in zip(axes, panels):
+        ax.plot(steps, values, lw=0.8, alpha=0.5)
+        ax.plot(steps, _rolling_mean(values, max(1, len(steps) // 20)), lw=1.5)
+        ax.set_ylabel(label, fontsize=8)
+        _style_step_axis(ax, steps)
+    axes[0].set_title(f"Episodes — {run_name}")
+    axes[-1].set_xlabel("trainer step")
     return fig
 
 

@@ -97,4 +97,22 @@ def renderer_for(tokenizer: Any, **template_kwargs: Any) -> Renderer:
     return ChatMLRenderer(tokenizer)
 
 
-__all__ = ["ChatMLRenderer", "Renderer", "TemplateRenderer", "renderer_for"]
+
+
+
+class CompactRenderer:
+    """No chat markup: each message's content on a line of its own (the first prompt after BOS). For small CPU
+    examples on the byte tokenizer, where ChatML's markers would be most of every episode's tokens."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+        return bos + self.tokenizer.encode("".join(m["content"] + "\n" for m in messages))
+
+    def delta(self, observations: list[dict[str, str]]) -> list[int]:
+        if not observations:
+            raise TaskError("an observation needs at least one message to render")
+        return self.tokenizer.encode("".join(m["content"] + "\n" for m in observations))
+__all__ = ["ChatMLRenderer", "CompactRenderer", "Renderer", "TemplateRenderer", "renderer_for"]

@@ -40,6 +40,14 @@ class Environment(Protocol):
 
 
 @dataclass
+class EpisodeStart:
+    """What a task gives for one episode: the first messages and the environment's per-prompt extras."""
+
+    messages: list[Message]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class EnvStep:
     """One environment answer, checked: `observations` are the messages the model reads next."""
 
@@ -99,4 +107,4 @@ def skyrl_env(env_id: str, options: dict[str, Any] | None = None) -> Callable[[d
     return lambda extras: skyrl_gym.make(env_id, env_config=config, extras=extras)
 
 
-__all__ = ["EnvError", "EnvStep", "Environment", "Message", "check_step", "load_env_factory", "skyrl_env"]
+__all__ = ["EnvError", "EnvStep", "EpisodeStart", "Environment", "Message", "check_step", "load_env_factory", "skyrl_env"]

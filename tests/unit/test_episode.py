@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 
 import pytest
@@ -145,8 +146,11 @@ def test_trainer_sees_the_engines_tokens_and_trains_model_tokens_only(model, epi
 
 
 def test_preempted_mid_episode_continues_elsewhere_at_the_same_token(model):
-    whole = run_episode(threaded_generate(EngineThread(engine_for(model))), CountingEnv(), START, params(7),
-                        IdRenderer(), decode, LIMITS)
+    first = EngineThread(engine_for(model))
+    try:
+        whole = run_episode(threaded_generate(first), CountingEnv(), START, params(7), IdRenderer(), decode, LIMITS)
+    finally:
+        first.stop()
     assert whole.status == "done" and whole.turns == 3
     engine = engine_for(model)
     calls = itertools.count()
@@ -241,13 +245,16 @@ def test_a_tool_that_hangs_dies_or_raises_fails_its_episode(model, fn, args, say
 
 
 def test_an_env_step_that_hangs_in_process_fails_at_its_deadline(model):
-    thread = EngineThread(engine_for(model))
+    thread, release = EngineThread(engine_for(model)), threading.Event()
     try:
-        out = run_episode(threaded_generate(thread), CountingEnv(step=lambda a: time.sleep(30)), START, params(2),
+        out = run_episode(threaded_generate(thread), CountingEnv(step=lambda a: release.wait(60)), START, params(2),
                           IdRenderer(), decode, EpisodeLimits(tool_timeout_s=0.3, max_tokens=140))
     finally:
         thread.stop()
+        release.set()  # the abandoned step's thread ends now, not during a later test
     assert out.status == "failed" and "tool_timeout_s" in out.error
+    for t in [t for t in threading.enumerate() if t.name == "moerl-env-step"]:
+        t.join(timeout=10)
 
 
 def test_sandbox_has_no_network_and_a_private_scratch_dir():
