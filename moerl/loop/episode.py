@@ -175,6 +175,11 @@ def run_episode(generate: Generate, env: Environment, start: EpisodeStart, param
                 turn = generate(prompt, dataclasses.replace(params, max_new_tokens=limits.max_tokens), c)
                 if turn.finish_reason == "error":
                     raise EnvError(f"engine refused the turn: {turn.error}")
+                if turn.finish_reason == "stop" and len(turn.token_ids) == len(c.token_ids):
+                    # The engine ends a request whose last token is a stop id before sampling: an observation
+                    # ending in one would end every later turn unheard.
+                    raise EnvError(f"the observation ends with stop token id {c.token_ids[-1]}: the model could not "
+                                   "take its turn")
                 c = _merge(turn, c)
                 if turn.finish_reason == "abort":
                     return ended("preempted")

@@ -263,3 +263,18 @@ def test_sandbox_has_no_network_and_a_private_scratch_dir():
         run_tool("socket:create_connection", [["127.0.0.1", 9]], ToolLimits(timeout_s=5))
     cwd = run_tool("os:getcwd", [], ToolLimits(timeout_s=5))
     assert "moerl-tool-" in cwd and not os.path.exists(cwd)  # removed after the call
+
+
+def test_an_observation_ending_in_a_stop_id_fails_its_episode(model):
+    class EndsInStop(CountingEnv):
+        def step(self, action):
+            out = super().step(action)
+            if out["observations"]:
+                out["observations"] = [{"role": "tool", "content": f"101 {STOPS[0]}"}]
+            return out
+    thread = EngineThread(engine_for(model))
+    try:
+        out = run_episode(threaded_generate(thread), EndsInStop(), START, params(4), IdRenderer(), decode, LIMITS)
+    finally:
+        thread.stop()
+    assert out.status == "failed" and f"stop token id {STOPS[0]}" in out.error
