@@ -2,9 +2,10 @@
 
 The model may call the tool in Qwen3's syntax, `<tool_call>23*47</tool_call>` (or the JSON form
 `<tool_call>{"name": "calculator", "arguments": {"expression": "23*47"}}</tool_call>`); the environment evaluates
-the expression in the tool sandbox (moerl/tasks/sandbox.py: model output is executed only there) and answers with
-the result as a tool message. A turn without a tool call is the final answer: reward 1 when its last number is
-the right one, else 0. With `tools = false` every call is answered "no tools" (the no-tool baseline).
+the expression in the tool sandbox (moerl/tasks/sandbox.py: model output is evaluated only there; the task keeps a
+pool of sandboxed processes, reused across calls) and answers with the result as a tool message. A turn without a
+tool call is the final answer: reward 1 when its last number is the right one, else 0. With `tools = false` every
+call is answered "no tools" (the no-tool baseline).
 
 `evaluate` walks the expression's syntax tree (numbers, + - * / // % and parentheses; no names, no calls, no
 power), so even outside the sandbox it would run no code; the sandbox bounds its time and memory all the same.
@@ -20,10 +21,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from moerl.tasks.base import TaskError, check_index, derive_seed
+from moerl.tasks.base import check_index, derive_seed
 from moerl.tasks.env import EpisodeStart
 from moerl.tasks.episodic import EpisodicTask, make_renderer
-from moerl.tasks.sandbox import ToolError, ToolLimits, run_tool
+from moerl.tasks.sandbox import ToolLimits, ToolPool, run_tool
 from moerl.tasks.tokenizer import make_tokenizer
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -68,11 +69,17 @@ def tool_expression(call: str) -> str:
 class CalculatorEnv:
     """env_config: `tools` (bool), `timeout_s` (the sandbox's); extras: `answer`."""
 
-    def __init__(self, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None) -> None:
+    def __init__(self, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None,
+                 pool: ToolPool | None = None) -> None:
         cfg = dict(env_config or {})
         self.tools = bool(cfg.get("tools", True))
         self.limits = ToolLimits(timeout_s=float(cfg.get("timeout_s", 10.0)))
         self.answer = str((extras or {})["answer"])
+        self.pool = pool  # the task's reused sandbox processes; None: a fresh process per call
+
+    def _evaluate(self, expression: str) -> str:
+        fn = "moerl.tasks.calculator:evaluate"
+        return self.pool.run(fn, [expression]) if self.pool is not None else run_tool(fn, [expression], self.limits)
 
     def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, Any]]:
         return list(prompt), {}
@@ -88,7 +95,7 @@ class CalculatorEnv:
                     "metadata": {"tool_calls": len(calls), "tool_errors": len(calls)}}
         results = []
         for call in calls:  # ToolError (the tool died or overran) propagates: the episode fails
-            results.append(run_tool("moerl.tasks.calculator:evaluate", [tool_expression(call)], self.limits))
+            results.append(self._evaluate(tool_expression(call)))
         errors = sum(r.startswith("error") for r in results)
         return {"observations": [{"role": "tool", "content": r} for r in results], "reward": 0.0, "done": False,
                 "metadata": {"tool_calls": len(calls), "tool_errors": errors}}
@@ -126,6 +133,7 @@ class CalculatorTask(EpisodicTask):
         self.tokenizer = make_tokenizer(self.config.tokenizer)
         self.renderer = make_renderer(self.tokenizer, self.config.chat_format)
         self.env_config = {"tools": self.config.tools, "timeout_s": self.config.tool_timeout_s}
+        self._pool: ToolPool | None = None  # started at the first episode (on a rollout worker, not the driver)
 
     def problem(self, index: int) -> tuple[str, str]:
         rng = random.Random(derive_seed(self.config.seed, "calculator", index))
@@ -139,7 +147,9 @@ class CalculatorTask(EpisodicTask):
         return EpisodeStart([{"role": "user", "content": question + "="}], {"answer": answer})
 
     def make_env(self, extras: dict[str, Any]) -> CalculatorEnv:
-        return CalculatorEnv(self.env_config, extras)
+        if self._pool is None:
+            self._pool = ToolPool(ToolLimits(timeout_s=self.config.tool_timeout_s))
+        return CalculatorEnv(self.env_config, extras, self._pool)
 
     def sft_example(self, index: int) -> tuple[list[int], list[int]]:
         """Warm-start traces, each one model turn in the context the engine will give it: a tool call after the
@@ -156,11 +166,3 @@ class CalculatorTask(EpisodicTask):
         return prompt + call + self.renderer.delta([{"role": "tool", "content": answer}]), \
             self.tokenizer.encode(answer) + eos
 
-
-def check_tool(limits: ToolLimits) -> None:
-    """One sandboxed evaluation, to fail at start-up rather than on every episode when the sandbox cannot run."""
-    try:
-        if run_tool("moerl.tasks.calculator:evaluate", ["6*7"], limits) != "42":
-            raise TaskError("the calculator sandbox answered 6*7 wrongly")
-    except ToolError as exc:
-        raise TaskError(f"the calculator sandbox does not run here: {exc}") from exc

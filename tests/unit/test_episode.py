@@ -278,3 +278,53 @@ def test_an_observation_ending_in_a_stop_id_fails_its_episode(model):
     finally:
         thread.stop()
     assert out.status == "failed" and f"stop token id {STOPS[0]}" in out.error
+
+
+def test_tool_pool_reuses_its_process_and_replaces_a_dead_one():
+    from moerl.tasks.sandbox import ToolError, ToolPool
+    pool = ToolPool(ToolLimits(timeout_s=1.0))
+    try:
+        first = run_pool_pid(pool)
+        assert run_pool_pid(pool) == first  # reused: no process start per call
+        with pytest.raises(ToolError, match="died"):
+            pool.run("os:_exit", [3])
+        with pytest.raises(ToolError, match="overran"):
+            pool.run("time:sleep", [30])
+        with pytest.raises(ToolError, match="raised ValueError"):
+            pool.run("math:sqrt", [-1])
+        assert run_pool_pid(pool) != first and pool.run("operator:add", [2, 3]) == "5"
+    finally:
+        pool.close()
+
+
+def run_pool_pid(pool) -> str:
+    return pool.run("os:getpid", [])
+
+
+def test_the_engine_decodes_other_episodes_while_one_waits_for_its_tool(model):
+    others_done, order = threading.Event(), []
+
+    def slow_tool(action):  # the first episode's first tool call returns only once the other episodes ended
+        if not order:
+            order.append("slow tool called")
+            assert others_done.wait(60), "the other episodes did not finish while this one waited"
+            order.append("slow tool returned")
+
+    thread = EngineThread(engine_for(model))
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(3) as pool:
+            slow = pool.submit(run_episode, threaded_generate(thread), CountingEnv(step=slow_tool), START, params(11),
+                               IdRenderer(), decode, EpisodeLimits(max_turns=6, max_tokens=140, tool_timeout_s=120))
+            deadline = time.monotonic() + 60
+            while not order and time.monotonic() < deadline:
+                time.sleep(0.01)
+            fast = [pool.submit(run_episode, threaded_generate(thread), CountingEnv(), START, params(s), IdRenderer(),
+                                decode, LIMITS) for s in (12, 13)]
+            assert all(f.result(timeout=60).status == "done" for f in fast)
+            others_done.set()
+            assert slow.result(timeout=60).status == "done"
+    finally:
+        others_done.set()
+        thread.stop()
+    assert order == ["slow tool called", "slow tool returned"]

@@ -5,6 +5,7 @@ calculator and guess-the-number examples' environments."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -176,3 +177,22 @@ def test_guess_the_number_answers_and_scores_by_turns():
     assert env.step(str(secret)) == {"observations": [], "reward": 0.9, "done": True, "metadata": {}}
     with pytest.raises(ValueError, match="outside"):
         GuessEnv({}, {"secret": 11, "high": 9})
+
+
+def test_in_flight_episodes_survive_a_checkpoint(model):
+    """A preempted group's transcripts (loss masks included) and a finished group's episode rows go through the
+    controller-state codec unchanged, so a resumed run continues each episode where the checkpoint left it."""
+    from moerl.checkpoint import decode_controller_state, encode_controller_state
+    from moerl.loop.types import STATE_CLASSES
+
+    task = GroupTask("g", 0, [5, 17, 99, 3, 42, 8, 61], 2)
+    done = play(model, task, Episodic())
+    # Finished transcripts as partials: a resumed worker replays them to their end.
+    task.partials = [dataclasses.replace(c, loss_mask=list(c.loss_mask)) for c in done.completions]
+    state = {"queue": [task], "results": [done]}
+    back = decode_controller_state(encode_controller_state(state, classes=STATE_CLASSES), classes=STATE_CLASSES)
+    for a, b in zip(back["queue"][0].partials, task.partials):
+        assert a.loss_mask == b.loss_mask and a.token_ids == b.token_ids and a.versions == b.versions
+    assert back["results"][0].episodes == done.episodes
+    resumed = play(model, back["queue"][0], Episodic())  # replayed to the end: the same rewards as before
+    assert resumed.status == "ok" and resumed.rewards == done.rewards
