@@ -168,8 +168,8 @@ def run_episode(generate: Generate, env: Environment, start: EpisodeStart, param
                         raise EnvError(f"replay: the environment answered turn {run.turns} differently "
                                        "(environments must be deterministic given the transcript)")
         need_model = not (c.token_ids and c.loss_mask[-1] == 1 and c.token_ids[-1] in run.stops)
-        if prefix is not None and prefix.finish_reason == "length" and c.loss_mask and c.loss_mask[-1] == 1:
-            return ended("cut", cut_by="tokens")
+        if prefix is not None and prefix.finish_reason == "length" and need_model:
+            return ended("cut", cut_by="tokens")  # the engine cut its last turn; a whole last turn is replayed below
         while True:
             if need_model:
                 turn = generate(prompt, dataclasses.replace(params, max_new_tokens=limits.max_tokens), c)

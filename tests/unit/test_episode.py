@@ -328,3 +328,19 @@ def test_the_engine_decodes_other_episodes_while_one_waits_for_its_tool(model):
         others_done.set()
         thread.stop()
     assert order == ["slow tool called", "slow tool returned"]
+
+
+def test_a_finished_episode_handed_back_replays_to_the_same_outcome(model):
+    """A group handed back holds its finished episodes too: replaying them gives the same reward and ending."""
+    thread = EngineThread(engine_for(model))
+    try:
+        gen = threaded_generate(thread)
+        for env, limits in ((CountingEnv, LIMITS), (lambda: CountingEnv(turns=9), EpisodeLimits(max_turns=2)),
+                            (lambda: CountingEnv(turns=9), EpisodeLimits(max_turns=9, max_tokens=12))):
+            first = run_episode(gen, env(), START, params(5), IdRenderer(), decode, limits)
+            again = run_episode(gen, env(), START, params(5), IdRenderer(), decode, limits, prefix=first.completion)
+            assert (again.status, again.reward, again.cut_by, again.turns) == (
+                first.status, first.reward, first.cut_by, first.turns)
+            assert again.completion.token_ids == first.completion.token_ids
+    finally:
+        thread.stop()
