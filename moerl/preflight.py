@@ -262,6 +262,16 @@ def check_deterministic(cfg: MoerlConfig, device: str) -> None:
                              "run.device = \"cpu\" or run.deterministic = false")
 
 
+def check_eval_task(cfg: MoerlConfig, task: Any) -> None:
+    """`[eval]` scores completions with the task's reward; a multi-turn task's episodes are scored by their
+    environment, which the eval runner does not play yet (docs/environments.md)."""
+    from moerl.tasks.episodic import is_episodic
+
+    if cfg.eval.enabled and is_episodic(task):
+        raise PreflightError(f"config key 'eval.every': task {cfg.task.name!r} plays multi-turn episodes, which "
+                             "[eval] cannot score yet; set eval.every = 0 and eval.before_train = false")
+
+
 def check_device(cfg: MoerlConfig) -> None:
     """`run.device = "cuda"` needs a GPU where the run starts its local Ray (a cluster's GPUs are its own)."""
     if cfg.run.device != "cuda" or cfg.ray.address or os.environ.get("RAY_ADDRESS"):

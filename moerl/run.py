@@ -227,6 +227,7 @@ def prepare(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None =
         preflight.check_expert_split(cfg, arch)
         preflight.check_capacity(cfg, arch)
         preflight.check_deterministic(cfg, resolve_device(cfg))
+        preflight.check_eval_task(cfg, task)
         try:
             plan = eval_plan(cfg, task)  # opens the eval set: a bad one fails here
         except Exception as e:  # noqa: BLE001 - TaskError and the data readers' errors

@@ -196,3 +196,15 @@ def test_in_flight_episodes_survive_a_checkpoint(model):
     assert back["results"][0].episodes == done.episodes
     resumed = play(model, back["queue"][0], Episodic())  # replayed to the end: the same rewards as before
     assert resumed.status == "ok" and resumed.rewards == done.rewards
+
+
+def test_eval_of_a_multi_turn_task_is_refused_before_the_run_starts():
+    from pathlib import Path
+
+    from moerl.config import load_config
+    from moerl.preflight import PreflightError, check_eval_task
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "tools.toml"
+    check_eval_task(load_config(path), CalculatorTask())  # eval off: fine
+    with pytest.raises(PreflightError, match="eval.every.*multi-turn"):
+        check_eval_task(load_config(path, ["--eval.every=5"]), CalculatorTask())
