@@ -44,3 +44,19 @@ class GuessTask(EpisodicTask):
 
     def make_env(self, extras: dict[str, Any]) -> GuessEnv:
         return GuessEnv({}, extras)
+
+    def sft_example(self, index: int) -> tuple[list[int], list[int]]:
+        """Warm-start traces of bisection, one model turn each in the context the engine will give it: the
+        episode's guesses and hints so far, then the middle of the range still open."""
+        start = self.episode_at(index // 4)
+        secret, low, high = start.extras["secret"], self.config.low, self.config.high
+        ids, turns = self.renderer.prompt(start.messages), []
+        while True:
+            guess = (low + high) // 2
+            turns.append((list(ids), self.tokenizer.encode(str(guess)) + [self.tokenizer.eos_token_id]))
+            if guess == secret:
+                break
+            low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+            ids += turns[-1][1] + self.renderer.delta([{"role": "user",
+                                                        "content": "higher" if guess < secret else "lower"}])
+        return turns[index % 4 % len(turns)]

@@ -208,3 +208,17 @@ def test_eval_of_a_multi_turn_task_is_refused_before_the_run_starts():
     check_eval_task(load_config(path), CalculatorTask())  # eval off: fine
     with pytest.raises(PreflightError, match="eval.every.*multi-turn"):
         check_eval_task(load_config(path, ["--eval.every=5"]), CalculatorTask())
+
+
+def test_guess_the_number_warm_start_traces_bisect():
+    task = GuessTask()
+    for index in range(12):
+        prompt, target = task.sft_example(index)
+        secret = task.episode_at(index // 4).extras["secret"]
+        low, high = 0, 9
+        steps = task.tokenizer.decode(prompt).split("\n")[1:-1]  # "<guess><hint>" per earlier turn (EOS not shown)
+        for step in steps:
+            guess, hint = int(step.rstrip("higherlow")), step.lstrip("0123456789")
+            low, high = (guess + 1, high) if hint == "higher" else (low, guess - 1)
+        assert low <= secret <= high and task.tokenizer.decode(target) == str((low + high) // 2)
+        assert target[-1] == task.tokenizer.eos_token_id
