@@ -250,6 +250,7 @@ class SimFleet:
             if e.started and not e.gone:
                 e.advance(t)
                 e.history.append((e.decoded, version))
+                e.trim_history()  # an idle engine finishes nothing: trimmed only at ends, its history grew per version
                 e.at = max(e.at, t) + self.model.apply_s
                 self._reschedule(e)
 
