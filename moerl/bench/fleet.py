@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 import sys
 
-from moerl.bench.fleet_engines import EngineModel
+from moerl.bench.fleet_model import EngineModel
 from moerl.bench.fleet_sim import FleetReport, FleetSimConfig, simulate
 from moerl.bench.options import parser
 from moerl.bench.plan import Workload, predict

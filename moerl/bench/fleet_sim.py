@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moerl.bench.fleet_clock import CpuMeter, Histogram, SimClock
-from moerl.bench.fleet_engines import EngineModel, SimFleet, length_table
+from moerl.bench.fleet_engines import SimFleet
+from moerl.bench.fleet_model import EngineModel, length_table
 from moerl.loop.controller import Controller, LoopConfig
 from moerl.loop.samples import SampleBuilder
 from moerl.loop.work_queue import WorkQueue

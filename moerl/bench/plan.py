@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moerl.bench.fleet_engines import length_table
+from moerl.bench.fleet_model import length_table
 
 DATASHEET_BF16 = 990e12  # H200 SXM dense bf16 FLOP/s
 TRAIN_MFU = 0.224  # `moerl bench train`, H200, 2cb0def: 22.4% of the datasheet (the 0.9B shape; no 30B step measured)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from moerl.bench.fleet_clock import Histogram
-from moerl.bench.fleet_engines import EngineModel, SimEngine
+from moerl.bench.fleet_engines import SimEngine
+from moerl.bench.fleet_model import EngineModel
 from moerl.bench.fleet_sim import FleetSimConfig, simulate
 
 TINY = dict(engines=16, batch_groups=16, group_size=4, max_new_tokens=16, prompt_len=8, publish_s=0.05,
