@@ -70,7 +70,8 @@ class FleetSimConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"fleet simulation: {name} must be >= 1, got {getattr(self, name)}")
         if self.groups < self.batch_groups:
-            raise ValueError(f"fleet simulation: groups ({self.groups}) must be at least one batch ({self.batch_groups})")
+            raise ValueError(f"fleet simulation: groups ({self.groups}) must be at least one batch "
+                             f"({self.batch_groups})")
         if self.lengths not in LENGTH_KINDS:
             raise ValueError(f"fleet simulation: lengths {self.lengths!r} is not one of {', '.join(LENGTH_KINDS)}")
         if self.train_tok_s <= 0 or min(self.publish_s, self.transfer_s, self.step_fixed_s, self.preempt_per_hour) < 0:

@@ -100,7 +100,8 @@ class Controller:
         self._workers_up = False  # a rollout worker has come up: from then on the watchdog counts
         self.first_errors = FirstErrors(warn)  # the first failures said with their prompts (console, error.log)
         self._oldest: dict[str, int] = {}  # task id -> the oldest version of its tokens, for the groups ready
-        self._checked, self._checked_of, self._checked_at = 0, None, -1  # ready[:n] of that list checked at that version
+        # ready[:_checked] of the list _checked_of was checked for staleness at version _checked_at (_take_batch)
+        self._checked, self._checked_of, self._checked_at = 0, None, -1
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
