@@ -1,8 +1,9 @@
 """The model behind `moerl bench plan` (moerl/bench/plan_report.py prints it): size a fleet before renting it.
 From a model shape, a node kind and counts, and per-GPU rates (defaults: BENCHMARKS.md's H200 figures; pass your
-own `moerl bench rollout` / `bench train` numbers), it predicts samples/s, trainer utilisation, mean staleness and the publish time of one weight version per transport
-across nodes, and recommends a rollout:trainer split. (`moerl launch`'s planner of manifests is
-moerl/launch/plan.py; this one plans capacity.) Closed forms, stated where they are used:
+own `moerl bench rollout` / `bench train` numbers), it predicts samples/s, trainer utilisation, mean staleness
+and the publish time of one weight version per transport across nodes, and recommends a rollout:trainer split.
+(`moerl launch`'s planner of manifests is moerl/launch/plan.py; this one plans capacity.) Closed forms, stated
+where they are used:
 
 - engine: a decode step of r rows takes a + b*r (the line through two measured points: 30B on an H200, 20.23 ms
   at 64 requests and 23.97 ms at 256); it decodes r / (a + b*r) tok/s.
