@@ -31,7 +31,7 @@ def config(args, engines: int) -> FleetSimConfig:
         max_new_tokens=args.max_new_tokens, lengths=args.lengths,
         engine=EngineModel(step_base_s=args.step_base_ms / 1e3, step_row_s=args.step_row_us / 1e6,
                            max_batch=args.max_batch, respawn_s=args.respawn_s),
-        train_tok_s=args.train_tok_s, publish_s=args.publish_s, transfer_s=args.transfer_s,
+        train_tok_s=args.train_tok_s, step_fixed_s=args.step_fixed_s, publish_s=args.publish_s, transfer_s=args.transfer_s,
         preempt_per_hour=args.preempt_per_hour, trajectories=not args.no_trajectories, seed=args.seed)
 
 

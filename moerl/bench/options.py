@@ -216,6 +216,7 @@ def _fleet(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=256, help="rows an engine decodes at once")
     p.add_argument("--respawn-s", type=float, default=300.0, help="a preempted engine's replacement comes up after")
     p.add_argument("--train-tok-s", type=float, default=1.4e6, help="the trainer group's tokens/s (moerl bench plan)")
+    p.add_argument("--step-fixed-s", type=float, default=0.5, help="a trainer step's time beside its tokens")
     p.add_argument("--publish-s", type=float, default=1.0, help="the trainer's publish of a version")
     p.add_argument("--transfer-s", type=float, default=2.0, help="publish -> the engines hold the version")
     p.add_argument("--preempt-per-hour", type=float, default=0.0, help="spot notices per engine-hour")

@@ -9,6 +9,7 @@ from moerl.bench.fleet_clock import Histogram
 from moerl.bench.fleet_engines import SimEngine
 from moerl.bench.fleet_model import EngineModel
 from moerl.bench.fleet_sim import FleetSimConfig, simulate
+from moerl.cli import main
 
 TINY = dict(engines=16, batch_groups=16, group_size=4, max_new_tokens=16, prompt_len=8, publish_s=0.05,
             transfer_s=0.05, trajectories=False, moe_layers=2, experts=4)
@@ -57,3 +58,13 @@ def test_bad_settings_are_named():
         simulate(FleetSimConfig(lengths="short"))
     with pytest.raises(ValueError, match="groups .5. must be at least one batch"):
         simulate(FleetSimConfig(groups=5))
+
+
+def test_the_command_prints_the_table(capsys):
+    argv = ["bench", "fleet", "--engines", "8,16", "--groups", "64", "--batch-groups", "8", "--group-size", "2",
+            "--max-new-tokens", "16", "--publish-s", "0.05", "--transfer-s", "0.05", "--step-fixed-s", "0.1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\n8 engines" in out and "\n16 engines" in out and "| controller share of one core |" in out
+    assert main(["bench", "fleet", "--engines", "many"]) == 2
+    assert "--engines takes a comma list of counts, got 'many'" in capsys.readouterr().err
