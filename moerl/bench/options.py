@@ -200,6 +200,60 @@ def _paged_decode(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="128,1024,3072", help="positions each request holds, comma-separated")
 
 
+def _fleet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default="256", help="comma list of engine counts, one simulation each (e.g. 256,1024)")
+    p.add_argument("--groups", type=int, default=100_000, help="groups trained per simulation")
+    p.add_argument("--batch-groups", type=int, default=256, help="train.batch_groups (configs/eks-p5en.toml: 256)")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--inflight-per-engine", type=int, default=32, help="groups leased to one engine at most")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=4096)
+    p.add_argument("--lengths", default="config", choices=["config", "long-tail", "fixed"],
+                   help="completion lengths (moerl/bench/fleet_engines.py length_table)")
+    p.add_argument("--step-base-ms", type=float, default=18.98, help="decode step at 0 rows (30B on an H200)")
+    p.add_argument("--step-row-us", type=float, default=19.5, help="decode step time per row")
+    p.add_argument("--max-batch", type=int, default=256, help="rows an engine decodes at once")
+    p.add_argument("--respawn-s", type=float, default=300.0, help="a preempted engine's replacement comes up after")
+    p.add_argument("--train-tok-s", type=float, default=1.4e6, help="the trainer group's tokens/s (moerl bench plan)")
+    p.add_argument("--step-fixed-s", type=float, default=0.5, help="a trainer step's time beside its tokens")
+    p.add_argument("--publish-s", type=float, default=1.0, help="the trainer's publish of a version")
+    p.add_argument("--transfer-s", type=float, default=2.0, help="publish -> the engines hold the version")
+    p.add_argument("--preempt-per-hour", type=float, default=0.0, help="spot notices per engine-hour")
+    p.add_argument("--no-trajectories", action="store_true", help="skip encoding the trajectory rows")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3-30b-a3b", help="a model shape (moerl/bench/plan.py MODELS)")
+    p.add_argument("--node", default="p5en.48xlarge", help="a node kind (moerl/bench/plan.py NODES)")
+    p.add_argument("--trainer-nodes", type=int, default=16)
+    p.add_argument("--rollout-nodes", type=int, default=32)
+    p.add_argument("--config", default="", help="take the workload (batch, group, staleness, lengths, node counts) "
+                   "from this moerl config, e.g. configs/eks-p5en.toml")
+    p.add_argument("--batch-groups", type=int, default=256)
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--inflight-per-engine", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=4096)
+    p.add_argument("--lengths", default="config", choices=["config", "long-tail", "fixed"])
+    p.add_argument("--decode-tok-s", type=float, default=10_680.0, help="one engine's decode tok/s at --decode-rows "
+                   "(your `moerl bench rollout` figure; default the 30B shape on an H200, BENCHMARKS.md)")
+    p.add_argument("--decode-rows", type=int, default=256)
+    p.add_argument("--decode-tok-s-small", type=float, default=3_163.0, help="... and at --decode-rows-small")
+    p.add_argument("--decode-rows-small", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--train-tok-s-per-gpu", type=float, default=0.0, help="trainer tokens/s per GPU (0 = the "
+                   "estimate from `moerl bench train`'s measured MFU, see the output)")
+    p.add_argument("--publish-s", type=float, default=-1.0, help="the trainer's publish per version "
+                   "(default: the chosen transport's computed time)")
+    p.add_argument("--transport", default="node-broadcast-ipc",
+                   choices=["object-store", "nccl-broadcast", "node-broadcast-ipc", "node-sharded-ipc"])
+    p.add_argument("--efficiency", type=float, default=0.8, help="achieved share of a link's bandwidth")
+    p.add_argument("--tcp-gbps", type=float, default=100.0, help="what one node's TCP path gives Ray's object store")
+
+
 # name -> (module, what adds its arguments)
 OPTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "moe-layer": ("moerl.bench.moe_layer", _moe_layer), "dispatch": ("moerl.bench.dispatch", _dispatch),
@@ -208,6 +262,7 @@ OPTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "train": ("moerl.bench.train", _train), "loop": ("moerl.bench.loop", _loop),
     "logprobs": ("moerl.bench.logprobs", _logprobs), "kernels": ("moerl.bench.kernels", _kernels),
     "varlen": ("moerl.bench.varlen", _varlen), "paged-decode": ("moerl.bench.paged_decode", _paged_decode),
+    "fleet": ("moerl.bench.fleet", _fleet), "plan": ("moerl.bench.plan_report", _plan),
 }
 
 

@@ -87,7 +87,8 @@ class Controller:
         self.checkpoints = checkpoints
         self.stop_requested = stop_requested  # graceful shutdown (SIGTERM to the driver)
         self.state = LoopState()
-        self.clock = PhaseClock()  # where this loop's wall time goes, per step (moerl/loop/phases.py)
+        self.now = now  # every time the loop reads: the real clock, or a simulator's (moerl/bench/fleet_sim.py)
+        self.clock = PhaseClock(now)  # where this loop's wall time goes, per step (moerl/loop/phases.py)
         self.inflight: dict = {}  # worker call ref -> (worker_id, task_id)
         self.training: StepInFlight | None = None
         self._saved_step = -1  # the step of the last checkpoint saved
@@ -95,10 +96,12 @@ class Controller:
         self.evaluator = evaluator  # evals on held rollout workers (moerl/loop/evaluation.py)
         self.dynamic = dynamic  # DAPO's dynamic sampling (moerl/loop/dynamic_sampling.py)
         self.failures = FailureWatch(cfg.max_failed_fraction, cfg.failure_window)
-        self.now = now  # the clock of the step watchdog and of a step's start (a test gives its own)
         self.watchdog = StepWatchdog(cfg.step_timeout_s, warn, clock=now)
         self._workers_up = False  # a rollout worker has come up: from then on the watchdog counts
         self.first_errors = FirstErrors(warn)  # the first failures said with their prompts (console, error.log)
+        self._oldest: dict[str, int] = {}  # task id -> the oldest version of its tokens, for the groups ready
+        # ready[:_checked] of the list _checked_of was checked for staleness at version _checked_at (_take_batch)
+        self._checked, self._checked_of, self._checked_at = 0, None, -1
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LoopState:
@@ -107,10 +110,10 @@ class Controller:
         self._delivered = self.state.version
         if self.evaluator is not None:
             self.evaluator.start_of_run(self.state.step, self.state.version)
-        deadline = time.monotonic() + self.cfg.time_limit_s if self.cfg.time_limit_s > 0 else float("inf")
+        deadline = self.now() + self.cfg.time_limit_s if self.cfg.time_limit_s > 0 else float("inf")
         self.watchdog.advanced()
         while self.state.step < self.cfg.steps:
-            if self.stop_requested() or time.monotonic() >= deadline:
+            if self.stop_requested() or self.now() >= deadline:
                 self._graceful_stop()
                 break
             if self.checkpoints is not None:
@@ -177,18 +180,27 @@ class Controller:
             self.evaluator.after_step(self.state.step, self.state.version)
 
     def _lease_and_dispatch(self) -> None:
-        now = time.monotonic()
-        for worker_id in self.workers.ready_ids():
-            while self.workers.inflight(worker_id) < self.cfg.max_inflight_per_worker:
+        """Lease to the least-loaded workers first, one group per worker per pass. Filling each worker up to
+        max_inflight_per_worker in turn put every group the staleness gate admits on the first few workers: in a
+        simulation of configs/eks-p5en.toml (moerl/bench/fleet_sim.py) 12 of 256 engines held all the work."""
+        now, cap = self.now(), self.cfg.max_inflight_per_worker
+        open_ids = sorted((w for w in self.workers.ready_ids() if self.workers.inflight(w) < cap),
+                          key=self.workers.inflight)
+        while open_ids:
+            still_open = []
+            for worker_id in open_ids:
                 if self.queue.pending() == 0:
                     if not self._gate_open():
                         return
                     self._add_next_prompt()
                 task = self.queue.lease(worker_id, now)
                 if task is None:  # nothing for this worker now (a suspect waits for it to drain): the next one
-                    break
+                    continue
                 ref = self.workers.dispatch(worker_id, task)
                 self.inflight[ref] = (worker_id, task.task_id)
+                if self.workers.inflight(worker_id) < cap:
+                    still_open.append(worker_id)
+            open_ids = still_open
 
     def _new_task(self, task_id: str | None, index: int) -> GroupTask:
         """Prompt `index` x group_size samples; task_id None = the task's own id for the prompt."""
@@ -211,7 +223,7 @@ class Controller:
             if entry is None:  # dropped already: its worker was declared lost earlier in this batch
                 continue
             worker_id, task_id = entry
-            now = time.monotonic()
+            now = self.now()
             if error is not None:  # the actor died (SIGKILL, node lost, an input that killed it): its leases go back
                 self._worker_lost(worker_id, now, f"its rollout worker {worker_id} died ({type(error).__name__})")
                 continue
@@ -259,7 +271,7 @@ class Controller:
                     del self.inflight[ref]
 
     def _check_workers(self) -> None:
-        now = time.monotonic()
+        now = self.now()
         for worker_id in self.workers.unresponsive(now):
             self._worker_lost(worker_id, now, f"its rollout worker {worker_id} stopped answering")
         # Expired leases go back to the queue; their calls stay in `inflight`: a result that still comes
@@ -269,11 +281,18 @@ class Controller:
             self.queue.worker_lost(worker_id, now)
 
     def _take_batch(self) -> list[GroupResult] | None:
-        """Up to batch_groups finished groups whose oldest token is within the staleness bound."""
+        """Up to batch_groups finished groups whose oldest token is within the staleness bound.
+
+        Called twice per turn of the loop, so it must not rescan what it has scanned: each group's oldest version
+        is computed once (it walks every token's version), and while the version stands only groups that arrived
+        since the last call are checked. Rescanning the whole buffer token by token each turn took 48 of 60 s
+        of a 64-engine simulation (moerl/bench/fleet_sim.py)."""
+        s = self.state
+        start = self._checked if (self._checked_of is s.ready and self._checked_at == s.version) else 0
         kept = []
-        for result in self.state.ready:
-            oldest = min((min(c.versions) for c in result.completions if c.versions), default=self.state.version)
-            if self.state.version - oldest > self.cfg.max_staleness:
+        for result in s.ready[start:]:
+            if s.version - self._oldest_version(result) > self.cfg.max_staleness:
+                self._oldest.pop(result.task_id, None)
                 if self.cfg.stale_policy == "regenerate":
                     # A new id (the queue completes an id once); the same prompt, generated from scratch.
                     self.queue.add(self._new_task(f"{result.task_id}-r", result.prompt_index))
@@ -286,13 +305,26 @@ class Controller:
                     self.state.leased_total -= 1
                 continue
             kept.append(result)
-        self.state.ready = kept
-        if len(kept) < self.cfg.batch_groups:
+        s.ready[start:] = kept
+        self._checked, self._checked_of, self._checked_at = len(s.ready), s.ready, s.version
+        if len(s.ready) < self.cfg.batch_groups:
             return None
-        batch, self.state.ready = kept[: self.cfg.batch_groups], kept[self.cfg.batch_groups:]
+        batch = s.ready[: self.cfg.batch_groups]
+        del s.ready[: self.cfg.batch_groups]
+        self._checked -= self.cfg.batch_groups
+        for result in batch:
+            self._oldest.pop(result.task_id, None)
         if self.cfg.deterministic:
             batch.sort(key=lambda r: r.task_id)
         return batch
+
+    def _oldest_version(self, result: GroupResult) -> int:
+        """The version of the group's oldest token (the version now if it has none), computed once per group."""
+        oldest = self._oldest.get(result.task_id)
+        if oldest is None:
+            oldest = self._oldest[result.task_id] = min(
+                (min(c.versions) for c in result.completions if c.versions), default=self.state.version)
+        return oldest
 
     def _start_training(self, batch: list[GroupResult]) -> None:
         samples, rows, stats = self.builder.build(batch, self.state.step, self.state.version)
@@ -363,8 +395,8 @@ class Controller:
     def _graceful_stop(self) -> None:
         """Preempt every worker so in-flight groups come back as partials, then save and stop."""
         self.workers.preempt_all()
-        deadline = time.monotonic() + 30.0
-        while self.inflight and time.monotonic() < deadline:
+        deadline = self.now() + 30.0
+        while self.inflight and self.now() < deadline:
             self._collect(timeout=0.2)
         if self.training is not None:  # let a running optimizer step finish: it is part of the state
             # ... but start no next one: the save must see one cut, the trainer at exactly the saved step and

@@ -151,7 +151,8 @@ def test_late_result_after_lease_expired_and_was_released_is_dropped():
     ctl._lease_and_dispatch()  # w0 leases the first prompt
     (ref0, (w, tid)), = ctl.inflight.items()
     assert w == "w0" and pool.inflight("w0") == 1
-    queue._leases[tid].deadline = time.monotonic() - 1  # w0 went silent past its lease
+    silent = ctl.now() + 31  # w0 went silent past its lease (lease_timeout 30)
+    ctl.now = lambda: silent
     ctl._check_workers()  # the lease expires: the task is pending again, at the front
     assert queue.stats()["expired"] == 1 and queue.pending_ids() == [tid]
 
@@ -372,15 +373,13 @@ def test_a_graceful_stop_saves_one_consistent_cut(mode):
     assert completed == step * 2 + len(saved["ready"]) + saved["counters"]["stale_dropped"]
 
 
-def test_a_time_limit_ends_the_run_as_a_graceful_stop(monkeypatch):
+def test_a_time_limit_ends_the_run_as_a_graceful_stop():
     """train.time_limit_s: once the RL has run that long the loop ends like a graceful stop (the step in flight
     finishes, one consistent cut is saved), with fewer steps than asked."""
-    import moerl.loop.controller as controller_module
-
     now = [1000.0]
-    monkeypatch.setattr(controller_module.time, "monotonic", lambda: now[0])
     ctl, queue, pool = controller(workers=("w0",), auto=True, mode="async", steps=50, batch_groups=2,
                                   max_inflight_per_worker=4, max_staleness=1, time_limit_s=30.0)
+    ctl.now = lambda: now[0]  # the loop's injected clock (Controller's `now`)
     ctl.checkpoints = FakeCheckpoints()
     steps_seen = []
     on_step = ctl.on_step
