@@ -60,6 +60,22 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     pytest.fail(f"step {step} not reached in {timeout}s")
 
 
+def _wait_for_commit(checkpoints: str, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Until checkpoint `step` (or a later one) is committed: a save is asynchronous, and a quiet machine trains
+    steps faster than it saves them (a kill at step 3 once found nothing committed)."""
+    from moerl.checkpoint import CheckpointStore
+
+    store, deadline = CheckpointStore(checkpoints), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        latest = store.latest_step()
+        if latest is not None and latest >= step:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"checkpoint step {step} not committed in {timeout}s")
+
+
 def _export(checkpoints: str, out: Path) -> dict[str, torch.Tensor]:
     assert cli(["export", checkpoints, str(out)]) == 0  # in this process: torch is loaded already
     return load_file(str(out / "model.safetensors"))
@@ -83,7 +99,7 @@ def test_sigkill_anywhere_then_resume_is_bitwise_equal(tmp_path, request, layout
     # start-up (~20 s of it).
     clean = _start(tmp_path / "clean", *base)
     victim = _start(killed_dir, *steps)
-    _wait_for_step(killed_dir, 3, victim)
+    _wait_for_commit(checkpoints, 2, victim)  # then killed anywhere in steps 3-6, or in the last save
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, its local Ray, the trainer and the workers
     victim.wait(timeout=30)
     resumed = _start(killed_dir, *steps, "--resume")
