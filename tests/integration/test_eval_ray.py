@@ -1,4 +1,4 @@
-"""Evaluation and dynamic sampling in a real `moerl train` run on a private local Ray: evals at steps 0, 2 and 4
+"""Evaluation and dynamic sampling in a real `moerl train` run on the suite's local Ray: evals at steps 0, 2 and 4
 on a held worker (logged at their steps, with their weights' version) while training goes on; dynamic sampling
 counted. Short: a random-init model, 4 steps."""
 
@@ -8,13 +8,13 @@ import pytest
 
 from moerl.config import load_config
 from moerl.runlog.run_log import read_jsonl
-from tests.integration.test_rl_faults import DEMO, ray_env  # noqa: F401 - fixture
+from tests.integration.test_rl_faults import DEMO
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(150)
-def test_a_run_evaluates_on_held_workers_and_filters_groups(tmp_path, ray_env):  # noqa: F811
+def test_a_run_evaluates_on_held_workers_and_filters_groups(tmp_path, shared_ray):
     from moerl.run import train
 
     cfg = load_config(DEMO, [f"--run.dir={tmp_path}", "--train.sft_steps=0", "--train.steps=4",

@@ -24,7 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.toml"
-SHORT = ["--train.steps=2", "--train.sft_steps=2"]
+SHORT = ["--train.steps=2", "--train.sft_steps=2", "--train.batch_groups=2", "--rollout.group_size=4",
+         "--rollout.num_workers=1"]
 pytestmark = pytest.mark.integration
 
 
@@ -37,6 +38,29 @@ def env() -> Iterator[dict[str, str]]:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def wait_for_head(head: str, procs: dict[str, subprocess.Popen], timeout: float = 120) -> None:
+    """Until the Ray head (trainer rank 0's) accepts connections: the rollout pod then joins it at once, and its
+    short --wait-s only bounds how long it waits for a head once the trainer job is over."""
+    import time
+
+    host, port = head.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError:
+            dead = next((k for k, p in procs.items() if p.poll() is not None), None)
+            assert dead is None, f"{dead} exited ({procs[dead].poll()}): {procs[dead].communicate()[0][-3000:]}"
+            assert time.monotonic() < deadline, f"no Ray head at {head} within {timeout} s"
+            time.sleep(0.2)
+
+
+# The rollout pod: joins the head, leaves once the head has been unreachable for 1 s (checked every 5 s), then waits
+# 3 s for another head before it says the trainer job is over (exit 0).
+ROLLOUT_WAIT = ["--wait-s", "3", "--lost-s", "1"]
 
 
 @pytest.mark.timeout(150)
@@ -63,14 +87,16 @@ def test_head_and_rollout_node_entrypoints(tmp_path: Path, env: dict[str, str]) 
     trainer = subprocess.Popen([*node, "trainer", "--rank", "0", "--nodes", "1", "--port", str(port), "--wait-s", "60",
                                 "--config", str(DEMO), *SHORT, f"--run.dir={run_dir}"], env=e, cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rollout = subprocess.Popen([*node, "rollout", "--head", head, "--wait-s", "10", "--lost-s", "5"], env=e,
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rollout = None
     try:
+        wait_for_head(head, {"trainer": trainer})
+        rollout = subprocess.Popen([*node, "rollout", "--head", head, *ROLLOUT_WAIT], env=e,
+                                   cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         t_out, _ = trainer.communicate(timeout=120)
         r_out, _ = rollout.communicate(timeout=60)
     finally:
         for p in (trainer, rollout):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.terminate()
                 p.wait(timeout=30)
     assert trainer.returncode == 0, t_out[-3000:]
@@ -85,7 +111,8 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
     """A drain sends SIGTERM to every pod at once. Trainer rank 1's node (holding trainer rank 1) must stay up
     until rank 0's shutdown save is done: three local Ray nodes (rank 0 = head + controller, rank 1, a rollout
     node, so the two trainer ranks land on the two trainer nodes), SIGTERM to both trainer pods mid-run, and the
-    save commits with both ranks' state."""
+    save commits with both ranks' state. The rollout pod leaves by itself once the head is gone (its SIGTERM
+    drain, tests/unit/test_launch_node.py, would signal every `ray::RolloutWorker` on this machine)."""
     import signal
     import time
 
@@ -102,16 +129,18 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
         "rank0": subprocess.Popen([*node, "trainer", "--rank", "0", "--nodes", "2", "--port", str(port),
                                    "--wait-s", "120", "--config", str(DEMO), "--train.steps=2000", "--train.sft_steps=0",
                                    "--train.num_ranks=2", "--rollout.num_workers=1", "--checkpoint.every=100000",
+                                   "--train.batch_groups=2", "--rollout.group_size=4",
                                    f"--run.dir={run_dir}"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True),
         "rank1": subprocess.Popen([*node, "trainer", "--rank", "1", "--head", head, "--wait-s", "120",
                                    "--grace-s", "90"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True),
-        "rollout": subprocess.Popen([*node, "rollout", "--head", head, "--wait-s", "120", "--lost-s", "5"], env=env,
-                                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }
     out: dict[str, str] = {}
     try:
+        wait_for_head(head, procs)
+        procs["rollout"] = subprocess.Popen([*node, "rollout", "--head", head, *ROLLOUT_WAIT], env=env, cwd=tmp_path,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 200
         while not ((run_dir / "metrics.jsonl").exists() and any(m["step"] >= 2 for m in metrics(run_dir))):
             dead = next((k for k, p in procs.items() if p.poll() is not None), None)
@@ -122,8 +151,6 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
             procs[name].send_signal(signal.SIGTERM)
         for name in ("rank0", "rank1"):
             out[name], _ = procs[name].communicate(timeout=150)
-        # The rollout pod would wait --wait-s for a head to come back; in a drain it gets SIGTERM like the others
-        procs["rollout"].send_signal(signal.SIGTERM)
         out["rollout"], _ = procs["rollout"].communicate(timeout=60)
     finally:
         for p in procs.values():
@@ -131,6 +158,7 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
                 p.kill()
                 p.wait(timeout=30)
     assert "stays up for rank 0's shutdown save" in out["rank1"], out["rank1"][-2000:]
+    assert procs["rollout"].returncode == 0 and "the trainer job is over" in out["rollout"], out["rollout"][-2000:]
     store = CheckpointStore(str(run_dir / "checkpoints"))
     step = store.latest_step()
     assert step is not None and step >= 2, out["rank0"][-3000:]

@@ -1,10 +1,11 @@
 """The embedded default's network exposure: every listener of a local run (Ray's and moerl's) is on 127.0.0.1,
 and its Ray requires a token of the run's own (moerl/local_ray.py). The test prints every listener of the run
-by its owner."""
+by its owner. The same run then takes a Ctrl-C to its process group and saves (one run serves both)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,24 +94,31 @@ def test_store_listens_on_its_host_only():
 
 
 @pytest.mark.timeout(240)
-def test_a_local_run_listens_on_loopback_only_behind_its_own_token(tmp_path):
+def test_a_local_run_listens_on_loopback_only_behind_its_own_token_and_ctrl_c_saves_it(tmp_path):
     """Every listening socket of the run (the CLI, Ray's GCS, raylet, agents and workers, the trainer's
     rendezvous store, gloo) is on a loopback address; Ray requires a token that only this run has, from a 0600
     file. (The trainer's store used to listen on the host's routed IP, Ray's servers on every interface, and Ray's
-    token sat in ~/.ray/auth_token, 0644, shared by every run of the user.)"""
+    token sat in ~/.ray/auth_token, 0644, shared by every run of the user.)
+
+    Then Ctrl-C, as a terminal sends it: to every process of the foreground group (the run in its own session here),
+    Ray's included (they ignore it): the run saves and exits 130 with the line that resumes it, never a
+    KeyboardInterrupt traceback, and its token goes with it."""
     env = {k: v for k, v in os.environ.items() if k not in (
         "RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     home_token = Path.home() / ".ray" / "auth_token"
     before = home_token.stat().st_mtime_ns if home_token.exists() else None
+    steps = 400  # never reached: the run is stopped at its first step
     run = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", str(REPO / "configs" / "demo.toml"),
-                            f"--run.dir={tmp_path}", "--train.steps=400", "--train.sft_steps=0",
-                            "--rollout.num_workers=1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            f"--run.dir={tmp_path}", f"--train.steps={steps}", "--train.sft_steps=0",
+                            "--train.batch_groups=2", "--rollout.group_size=4", "--rollout.num_workers=1",
+                            "--checkpoint.every=0"],  # only Ctrl-C's save
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     token_dir = None
     try:
         deadline = time.monotonic() + 150
         while not (tmp_path / "metrics.jsonl").exists() or (tmp_path / "metrics.jsonl").stat().st_size < 1:
-            assert run.poll() is None, run.stdout.read().decode()[-2000:]
+            assert run.poll() is None, run.stdout.read()[-2000:]
             assert time.monotonic() < deadline, "the run did not reach its first step"
             time.sleep(0.2)
         pids = _tree(run.pid)
@@ -138,10 +146,15 @@ def test_a_local_run_listens_on_loopback_only_behind_its_own_token(tmp_path):
         # Ray's sessions (sockets, logs) inside that directory, not 0777 under /tmp/ray (issue 37 item 10)
         assert f"{token_dir / 'ray'}/session_" in _cmdline(gcs[0]), _cmdline(gcs[0])
         assert (home_token.stat().st_mtime_ns if home_token.exists() else None) == before
+        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C
+        out, _ = run.communicate(timeout=120)
     finally:
-        run.terminate()
-        try:
-            run.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            run.kill()
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(timeout=60)
+    assert run.returncode == 130, out[-3000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    line = next((x for x in out.splitlines() if x.startswith("stopped at step")), out[-2000:])
+    assert line.startswith(f"stopped at step {int(latest.split('-')[1])} of {steps}; resume with: moerl train "), line
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert token_dir is not None and not token_dir.exists(), "the run's token outlived it"

@@ -1,4 +1,5 @@
-"""Lossless resume: SIGKILL a deterministic run anywhere and resume it; SIGTERM a run and resume it; Ctrl-C saves.
+"""Lossless resume: SIGKILL a deterministic run anywhere and resume it (from a local directory and from S3); SIGTERM
+a run and resume it. (Ctrl-C's save: tests/integration/test_local_security.py, on that test's run.)
 
 Each run is a real `moerl train` subprocess in its own session (so a kill takes its local Ray with it).
 """
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from moerl.cli import main as cli
+from tests.integration.test_checkpoint_s3 import s3_endpoint, s3_root  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -58,51 +60,67 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     pytest.fail(f"step {step} not reached in {timeout}s")
 
 
-def _export(run_dir: Path) -> dict[str, torch.Tensor]:
-    out = run_dir / "hf"
-    assert cli(["export", str(run_dir / "checkpoints"), str(out)]) == 0  # in this process: torch is loaded already
+def _wait_for_commit(checkpoints: str, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Until checkpoint `step` (or a later one) is committed: a save is asynchronous, and a quiet machine trains
+    steps faster than it saves them (a kill at step 3 once found nothing committed)."""
+    from moerl.checkpoint import CheckpointStore
+
+    store, deadline = CheckpointStore(checkpoints), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        latest = store.latest_step()
+        if latest is not None and latest >= step:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"checkpoint step {step} not committed in {timeout}s")
+
+
+def _export(checkpoints: str, out: Path) -> dict[str, torch.Tensor]:
+    assert cli(["export", checkpoints, str(out)]) == 0  # in this process: torch is loaded already
     return load_file(str(out / "model.safetensors"))
 
 
 SHARDED = ["--train.num_ranks=2", "--ep.size=2", "--train.data_parallel=fsdp"]  # FSDP2 + expert parallel
 
 
-@pytest.mark.parametrize("layout", [[], SHARDED], ids=["one-rank", "two-ranks-fsdp-ep"])
-def test_sigkill_anywhere_then_resume_is_bitwise_equal(tmp_path, layout):
-    steps = ["--train.steps=6", "--run.deterministic=true", *layout]
-    # The clean run and the victim run side by side, each with its own local Ray: a deterministic run's result
-    # does not depend on what else the machine runs, and each run mostly waits on start-up (~20 s of it).
-    clean = _start(tmp_path / "clean", *steps)
+@pytest.mark.parametrize("layout,storage", [([], "s3"), (SHARDED, "local")], ids=["one-rank-s3", "two-ranks-fsdp-ep"])
+def test_sigkill_anywhere_then_resume_is_bitwise_equal(tmp_path, request, layout, storage):
+    """SIGKILL to the run's whole process group mid-run (the driver, its local Ray, the trainer and the workers),
+    then --resume: the weights equal a run that was never killed, bit for bit, and every step and sample is logged
+    once. One rank checkpoints to S3 (moto's real S3 API on 127.0.0.1; the runs inherit its endpoint), two ranks to
+    the run directory."""
+    base = ["--train.steps=6", "--run.deterministic=true", *layout]
     killed_dir = tmp_path / "killed"
+    checkpoints = request.getfixturevalue("s3_root") if storage == "s3" else str(killed_dir / "checkpoints")
+    steps = [*base, f"--checkpoint.dir={checkpoints}"] if storage == "s3" else base
+    # The clean run (checkpoints in its run directory) and the victim run side by side, each with its own local Ray:
+    # a deterministic run's result does not depend on what else the machine runs, and each run mostly waits on
+    # start-up (~20 s of it).
+    clean = _start(tmp_path / "clean", *base)
     victim = _start(killed_dir, *steps)
-    _wait_for_step(killed_dir, 3, victim)
+    _wait_for_commit(checkpoints, 2, victim)  # then killed anywhere in steps 3-6, or in the last save
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, its local Ray, the trainer and the workers
     victim.wait(timeout=30)
     resumed = _start(killed_dir, *steps, "--resume")
     _finish(clean)
-    expected = _export(tmp_path / "clean")
-    _finish(resumed)
-    got = _export(killed_dir)
+    expected = _export(str(tmp_path / "clean" / "checkpoints"), tmp_path / "clean" / "hf-export")
+    out = _finish(resumed)
+    assert "done:" in out, out[-3000:]
+    got = _export(checkpoints, killed_dir / "hf-export")
 
     assert got.keys() == expected.keys()
     different = [k for k in expected if not torch.equal(got[k], expected[k])]
     assert not different, f"weights differ after resume: {different[:5]}"
+    # The resumed run dropped the killed run's rows after its checkpoint and logged those steps again: every step
+    # once, every sample once.
     rows = [json.loads(line) for line in (killed_dir / "trajectories.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in rows) == 6
-
-
-def test_ctrl_c_to_the_terminals_process_group_saves_and_exits_130(tmp_path):
-    """Ctrl-C reaches every process of the foreground group, Ray's included (they ignore it): the run saves
-    and exits 130 with the line that resumes it, never a KeyboardInterrupt traceback."""
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, "--train.steps=50", "--train.sft_steps=0", "--checkpoint.every=0")
-    _wait_for_step(run_dir, 1, proc)
-    os.killpg(proc.pid, signal.SIGINT)
-    out = _finish(proc, code=130)
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    line = next((x for x in out.splitlines() if x.startswith("stopped at step")), out[-2000:])
-    assert line.startswith(f"stopped at step {int(latest.split('-')[1])} of 50; resume with: moerl train "), line
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert sorted({r["step"] for r in rows}) == [1, 2, 3, 4, 5, 6]  # nothing lost
+    keys = [(r["task_id"], r["sample_index"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a sample was logged (or trained) twice"
+    logged = [r["step"] for r in (json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines())
+              if r["step"] > 0]
+    assert logged == sorted(set(logged)) == [1, 2, 3, 4, 5, 6]
 
 
 def test_sigterm_saves_and_resume_loses_nothing(tmp_path):

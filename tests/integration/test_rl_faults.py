@@ -1,16 +1,16 @@
 """Fault tolerance of the asynchronous RL loop on Ray: workers killed (SIGKILL) or preempted (SIGTERM, the
 EC2 IMDS spot notice) mid-run, rewards that raise, task modules that do not import, late results.
 
-The end-to-end tests run `train(cfg)` on a private local Ray (started and stopped by `train`) with a small
-config: a few SFT steps, 14-60 RL steps, up to 48 new tokens per sample so that generation is in flight when
-a background thread strikes a worker. Every wait is a bounded poll with a deadline.
+The end-to-end tests run `train(cfg)` on the suite's local Ray (`shared_ray`, tests/integration/conftest.py), or
+on a private one that `train` starts and stops (`own_ray`: the start-up paths), with a small config: a few SFT
+steps, 6-16 RL steps, up to 48 new tokens per sample so that generation is in flight when a background thread
+strikes a worker at step 2. Every wait is a bounded poll with a deadline.
 
     PYTHONPATH=. RAY_AUTH_MODE=disabled python -m pytest tests/integration/test_rl_faults.py -m integration
 """
 
 from __future__ import annotations
 
-import gc
 import http.server
 import json
 import os
@@ -33,6 +33,9 @@ DEMO = REPO / "configs" / "demo.toml"
 FLAKY = "tests.integration.test_rl_faults:FlakyTask"
 GROUP = 4
 STEPS = 14
+# A struck run: struck at step 2, the rest through the replacement worker (one worker: the run cannot end without it)
+# or the preempted groups' continuation; 14 steps after the strike, 56 groups.
+RUN_STEPS = 16
 
 pytestmark = pytest.mark.integration
 
@@ -68,28 +71,6 @@ def small_config(run_dir: Path, *extra: str, steps: int = STEPS):
         "--train.batch_groups=4", "--train.max_staleness=4", f"--rollout.group_size={GROUP}",
         "--rollout.max_new_tokens=48", "--rollout.max_seq_len=64", "--task.options.max_operand=999",
         "--rollout.heartbeat_s=0.5", "--rollout.heartbeat_timeout_s=10", "--rollout.grace_s=10", *extra])
-
-
-@pytest.fixture
-def ray_env(monkeypatch):
-    """Ray workers inherit the driver's environment: make this repo (and `tests`) importable in them."""
-    path = os.environ.get("PYTHONPATH", "")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), path) if p))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    assert not ray.is_initialized(), "a previous test left Ray running"
-    real_shutdown, frozen = ray.shutdown, []
-
-    def checked_shutdown(*args, **kwargs):  # train() shuts Ray down with the collector frozen (moerl/ray_gc.py)
-        frozen.append(gc.get_freeze_count())
-        real_shutdown(*args, **kwargs)
-
-    monkeypatch.setattr(ray, "shutdown", checked_shutdown)
-    yield
-    if ray.is_initialized():  # train() stops the Ray it started; this is only for a failed test
-        real_shutdown()
-    assert all(frozen), "ray.shutdown() ran with the run's Ray objects in the collector's reach"
 
 
 class Captured:
@@ -259,7 +240,7 @@ def check_trained_once(run_dir: Path, result: dict, groups: list, steps: int) ->
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("transport", ["shared", "object_store", "broadcast"])
-def test_sigkill_worker_mid_run(tmp_path, ray_env, captured, transport):
+def test_sigkill_worker_mid_run(tmp_path, shared_ray, captured, transport):
     # One worker: the run can only finish through its replacement, so the replacement's start and first groups
     # are part of every run (with two, a fast run could end before the replacement came up). Every transport:
     # shared (the /dev/shm twin of CUDA IPC: the replacement maps the trainer's buffers anew; "auto" would pick the
@@ -268,7 +249,7 @@ def test_sigkill_worker_mid_run(tmp_path, ray_env, captured, transport):
     # trainer's send fails within its timeout on its own thread, training goes on, and the next publish forms a
     # group with the replacement.
     cfg = small_config(tmp_path, "--rollout.num_workers=1", f"--weights.transport={transport}",
-                       "--weights.timeout_s=5", steps=30)
+                       "--weights.timeout_s=5", steps=RUN_STEPS)
     striker = Striker(tmp_path, signal.SIGKILL)
     result = run_with_striker(cfg, striker)
     print(f"SIGKILL {striker.worker_id} pid {striker.pid}: {result['counters']} queue {result['queue']} "
@@ -295,9 +276,9 @@ def test_sigkill_worker_mid_run(tmp_path, ray_env, captured, transport):
 
 
 @pytest.mark.timeout(150)
-def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
+def test_sigterm_worker_hands_back_and_exits(tmp_path, shared_ray, captured):
     groups, handbacks = captured.groups, captured.handbacks
-    cfg = small_config(tmp_path, steps=30)
+    cfg = small_config(tmp_path, steps=RUN_STEPS)
 
     def partial_tokens(parts) -> bool:
         return any(p is not None and p.token_ids and p.finish_reason == "abort" for p in parts)
@@ -340,11 +321,11 @@ def test_sigterm_worker_hands_back_and_exits(tmp_path, ray_env, captured):
 
 
 @pytest.mark.timeout(150)
-def test_hung_worker_misses_its_heartbeat(tmp_path, ray_env, captured):
+def test_hung_worker_misses_its_heartbeat(tmp_path, shared_ray, captured):
     """SIGSTOP: the worker neither answers nor dies; past heartbeat_timeout_s it is lost, its leases go back,
     and the pool kills and replaces it. One worker: the run cannot finish before the hung one is declared lost
     (with a second worker a fast run could end first, and the test would depend on timing)."""
-    cfg = small_config(tmp_path, "--rollout.heartbeat_timeout_s=3", "--rollout.num_workers=1", steps=30)
+    cfg = small_config(tmp_path, "--rollout.heartbeat_timeout_s=3", "--rollout.num_workers=1", steps=RUN_STEPS)
     striker = Striker(tmp_path, signal.SIGSTOP)
     try:
         result = run_with_striker(cfg, striker)
@@ -359,7 +340,7 @@ def test_hung_worker_misses_its_heartbeat(tmp_path, ray_env, captured):
 
 
 @pytest.mark.timeout(150)
-def test_reward_that_raises_and_generation_that_fails(tmp_path, ray_env, captured):
+def test_reward_that_raises_and_generation_that_fails(tmp_path, shared_ray, captured):
     """A reward that raises fails that sample only (never a zero reward); a group whose generation fails is
     retried up to rollout.max_attempts and then recorded as failed, never trained."""
     groups = captured.groups
@@ -393,7 +374,7 @@ def test_reward_that_raises_and_generation_that_fails(tmp_path, ray_env, capture
 
 
 @pytest.mark.timeout(150)
-def test_task_module_that_fails_to_import(tmp_path, ray_env, monkeypatch):
+def test_task_module_that_fails_to_import(tmp_path, own_ray, monkeypatch):
     import ray
 
     from moerl.run import train
@@ -413,8 +394,37 @@ def test_task_module_that_fails_to_import(tmp_path, ray_env, monkeypatch):
         assert not ray.is_initialized(), "Ray was started before the task was checked"
 
 
+class HangingTask(ArithmeticTask):
+    """Arithmetic whose constructor never returns inside a Ray actor (a worker that can never start: a model
+    download that hangs, a dead filesystem); the driver builds it normally."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            time.sleep(3600)
+        super().__init__(*args, **kwargs)
+
+
 @pytest.mark.timeout(150)
-def test_task_that_fails_to_import_on_the_workers_only(tmp_path, ray_env, monkeypatch):
+def test_workers_that_never_start_end_the_run(tmp_path, own_ray):
+    """Each worker stuck in its constructor past rollout.start_timeout_s counts as a failed start; three in a
+    row end the run with the reason (they used to be respawned forever)."""
+    from moerl.run import train
+
+    cfg = small_config(tmp_path, "--task.name=tests.integration.test_rl_faults:HangingTask",
+                       "--rollout.num_workers=1", "--rollout.start_timeout_s=4", "--rollout.heartbeat_s=0.5",
+                       "--train.sft_steps=0")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert "3 rollout workers in a row failed to start" in message and "rollout.start_timeout_s" in message, message
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.timeout(150)
+def test_task_that_fails_to_import_on_the_workers_only(tmp_path, shared_ray, monkeypatch):
     """The driver imports the task but the workers cannot (their environment lacks it): a clear error, no
     endless respawning of workers that die in their constructor."""
     from moerl.run import train
@@ -430,35 +440,6 @@ def test_task_that_fails_to_import_on_the_workers_only(tmp_path, ray_env, monkey
     print(message)
     assert "driver_only_task:DriverOnlyTask" in message and "rollout worker" in message, message
     assert time.monotonic() - t0 < 90
-
-
-class HangingTask(ArithmeticTask):
-    """Arithmetic whose constructor never returns inside a Ray actor (a worker that can never start: a model
-    download that hangs, a dead filesystem); the driver builds it normally."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        import ray
-
-        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-            time.sleep(3600)
-        super().__init__(*args, **kwargs)
-
-
-@pytest.mark.timeout(150)
-def test_workers_that_never_start_end_the_run(tmp_path, ray_env):
-    """Each worker stuck in its constructor past rollout.start_timeout_s counts as a failed start; three in a
-    row end the run with the reason (they used to be respawned forever)."""
-    from moerl.run import train
-
-    cfg = small_config(tmp_path, "--task.name=tests.integration.test_rl_faults:HangingTask",
-                       "--rollout.num_workers=1", "--rollout.start_timeout_s=4", "--rollout.heartbeat_s=0.5",
-                       "--train.sft_steps=0")
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
-        train(cfg)
-    message = str(info.value)
-    assert "3 rollout workers in a row failed to start" in message and "rollout.start_timeout_s" in message, message
-    assert time.monotonic() - t0 < 120
 
 
 # ------------------------------------------------------------------------------------------ worker class
@@ -712,7 +693,7 @@ def _trainer_pids() -> list[int]:
 
 
 @pytest.mark.timeout(150)
-def test_trainer_death_names_the_rank_and_how_to_resume(tmp_path, ray_env, capsys):
+def test_trainer_death_names_the_rank_and_how_to_resume(tmp_path, shared_ray, capsys):
     """A trainer rank killed mid-run ends the run with one line naming the rank and the checkpoint to resume
     from (it used to be a raw ActorDiedError)."""
     from moerl.train_cli import main

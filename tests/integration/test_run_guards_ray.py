@@ -16,7 +16,7 @@ import pytest
 
 from moerl.runlog.run_log import read_jsonl
 from moerl.tasks.arithmetic import ArithmeticTask
-from tests.integration.test_rl_faults import GROUP, ray_env, small_config  # noqa: F401 - fixture
+from tests.integration.test_rl_faults import GROUP, small_config
 
 pytestmark = pytest.mark.integration
 KILLER, EXITER = 2, 4  # prompt indexes
@@ -40,7 +40,7 @@ class KillEverythingTask(ArithmeticTask):
 
 
 @pytest.mark.timeout(150)
-def test_a_reward_that_kills_its_worker_fails_its_prompt_and_the_run_goes_on(tmp_path, ray_env):
+def test_a_reward_that_kills_its_worker_fails_its_prompt_and_the_run_goes_on(tmp_path, shared_ray):
     from moerl.run import train
 
     cfg = small_config(tmp_path, "--task.name=tests.integration.test_run_guards_ray:KillerTask",
@@ -58,7 +58,7 @@ def test_a_reward_that_kills_its_worker_fails_its_prompt_and_the_run_goes_on(tmp
 
 
 @pytest.mark.timeout(150)
-def test_workers_that_all_die_end_the_run_with_one_line(tmp_path, ray_env):
+def test_workers_that_all_die_end_the_run_with_one_line(tmp_path, shared_ray):
     from moerl.actors.respawn import WorkersKeepDying
     from moerl.run import train
 

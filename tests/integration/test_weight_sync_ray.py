@@ -5,7 +5,6 @@ of NCCL) transports, including a worker that starts late (catch-up) and a traine
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -16,19 +15,6 @@ from moerl.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def local_ray(monkeypatch):
-    import ray
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    assert not ray.is_initialized()
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
 
 
 def _published(ray, ranks) -> list[dict[str, torch.Tensor]]:
@@ -52,7 +38,7 @@ def _start(pool, deadline_s: float = 120.0) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport,ranks", [("shared", 2), ("broadcast", 2)])  # the object store: the other tests
-def test_engines_equal_the_trainer_after_every_sync(local_ray, tmp_path, transport, ranks):
+def test_engines_equal_the_trainer_after_every_sync(shared_ray, tmp_path, transport, ranks):
     from moerl.actors.pools import RayRolloutPool, RayTrainerGroup
     from moerl.actors.weight_sync.sync import RayWeightSync
     from moerl.loop.work_queue import WorkQueue
@@ -60,7 +46,7 @@ def test_engines_equal_the_trainer_after_every_sync(local_ray, tmp_path, transpo
     from moerl.tasks.base import load_task
     from moerl.train.sample import Sample
 
-    ray = local_ray
+    ray = shared_ray
     cfg = load_config(REPO / "configs" / "demo.toml", [f"--run.dir={tmp_path}", f"--train.num_ranks={ranks}",
                                                         f"--ep.size={ranks}", "--rollout.heartbeat_s=0.2"])
     task = load_task(cfg.task.name, dict(cfg.task.options), seed=0)
