@@ -112,6 +112,9 @@ class EPConfig:
 class RolloutConfig:
     num_workers: int = 2
     """rollout (generation) worker processes"""
+    min_workers: int = 1
+    """workers up before leases start; the rest join as Ray finds them room (spot nodes), with no deadline while
+    they wait for capacity (docs/eks.md, "A fleet that grows")"""
     group_size: int = 8
     """completions sampled per prompt (one GRPO group)"""
     max_new_tokens: int = 32
@@ -153,7 +156,8 @@ class RolloutConfig:
     heartbeat_timeout_s: float = 60.0
     """a worker silent this long is lost; its leases go back"""
     start_timeout_s: float = 600.0
-    """a worker not placed and built by then is a failed start (3 in a row end the run)"""
+    """a worker placed but not built by then is a failed start (3 in a row end the run); fewer than min_workers
+    placed by then end the run (waiting for capacity has no deadline once min_workers are up)"""
     lease_timeout_s: float = 600.0
     """a lease not renewed by a heartbeat this long returns to the queue"""
     max_attempts: int = 3
@@ -186,6 +190,8 @@ class RolloutConfig:
         require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
         require(self.max_inflight_groups >= 0, "max_inflight_groups", "must be >= 0 (0 = from max_batch_size)")
         require(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
+        require(1 <= self.min_workers <= self.num_workers, "min_workers",
+                f"must be in [1, rollout.num_workers={self.num_workers}]")
         require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction", "must be in (0, 1]")
         require(self.kv_block_size >= 1, "kv_block_size", "must be >= 1")
         require(self.kv_cache_tokens >= 0, "kv_cache_tokens", "must be >= 0 (0 = from memory)")

@@ -459,6 +459,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                                  cfg.rollout.gpus_per_worker, queue, cfg.rollout.heartbeat_s,
                                  cfg.rollout.heartbeat_timeout_s, cfg.rollout.inflight_groups(),
                                  cfg.rollout.start_timeout_s, on_event=report.event,
+                                 min_workers=cfg.rollout.min_workers,
                                  respawn=RespawnPolicy(cfg.rollout.worker_losses_limit(), cfg.rollout.respawn_backoff_s,
                                                        cfg.rollout.respawn_backoff_max_s))
         weights = RayWeightSync(trainer, workers, cfg.weights.transport, cfg.weights.bucket_mb << 20,
@@ -468,6 +469,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         health = HealthWatch(cfg.train.health, lambda text: report.event("warning", text))
 
         def on_step(step: int, metrics: dict, rows: list[dict]) -> None:
+            metrics["workers/waiting"] = workers.waiting()  # for capacity: a count only the Ray side knows
             row = report.step(step, metrics, builder.add_text(rows))  # text decoded here: off the trainer's path
             kl_watch.observe(step, row)
             health.observe(step, row)

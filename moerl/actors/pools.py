@@ -15,6 +15,7 @@ from typing import Callable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from moerl.actors.capacity import actor_id, waiting_for_capacity
 from moerl.actors.respawn import RespawnPolicy
 from moerl.actors.rollout_worker import RolloutWorker
 from moerl.actors.trainer_actor import TrainerRank, TrainerSpec
@@ -165,6 +166,7 @@ class _Worker:
     ping_ref: object = None
     inflight: int = 0
     started: bool = False  # answered a ping: its actor is placed and built (capacity allowed it)
+    waiting: bool = False  # Ray holds it for a node with room (moerl/actors/capacity.py): no start deadline runs
     where: object = None  # its Location (node, GPUs), from its first ping: which weight forms it can take
     held: bool = False  # running an eval (moerl/loop/evaluation.py): no leases, no new weights
     rejoining: bool = False  # back from an eval: catching up to the newest weights before it leases again
@@ -176,14 +178,28 @@ class RayRolloutPool:
     """M rollout workers; dead ones are removed and replaced while capacity allows, with a backoff and a cap when
     they keep dying before finishing a group (`respawn`, moerl/actors/respawn.py).
 
+    A fleet that waits for capacity: all M are asked for at once, and Ray places each when a node has room (spot
+    nodes come one by one). Leases start once `min_workers` are up (rollout.min_workers); the rest join as they
+    come, each caught up to the newest weights first. A worker Ray holds for capacity (its own account, read by
+    `census`: moerl/actors/capacity.py) has no deadline; one placed has `start_timeout_s` to build and take its
+    first weights, else it is a failed start, as is one whose constructor raises. Only when fewer than
+    `min_workers` were even placed within `start_timeout_s` does the run stop for capacity.
+
     on_event(kind, text), kind "worker" or "warning": a worker up, lost, retired or replaced, one line each
     (the run log prints them; moerl/runlog/reporter.py)."""
 
     def __init__(self, spec: WorkerSpec, target: int, cpus_per_worker: float, gpus_per_worker: float,
                  queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
                  max_inflight_groups: int = 8, start_timeout_s: float = 600.0,
-                 on_event: Callable[[str, str], None] | None = None, respawn: RespawnPolicy | None = None) -> None:
+                 on_event: Callable[[str, str], None] | None = None, respawn: RespawnPolicy | None = None,
+                 min_workers: int = 1, census: Callable[[list[str]], set[str] | None] = waiting_for_capacity) -> None:
         self.spec, self.target, self.queue = spec, target, queue
+        self.min_workers = max(1, min(min_workers, target))
+        self.census = census  # actor ids -> those waiting for capacity; None when Ray could not be asked
+        self._serving = False  # min_workers have come up (once): leases go out from then on, whatever is lost later
+        self._next_census = 0.0
+        self._waiting_said = -1  # the waiting count last said in an event
+        self._placement_deadline = time.monotonic() + start_timeout_s  # min_workers placed by then, or stop
         self.on_event = on_event or (lambda kind, text: None)
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.start_timeout_s = start_timeout_s  # a worker not up by then (placed and built) is a failed start
@@ -198,6 +214,8 @@ class RayRolloutPool:
         if _has_rollout_nodes():
             options["resources"] = {"rollout": 0.001}
         self.cls, self.options = ray.remote(RolloutWorker), options
+        self.asks = (f"{cpus_per_worker:g} CPU, {gpus_per_worker:g} GPU" + (", a rollout node" if "resources" in options
+                                                                           else ""))  # for the capacity lines
         self.workers: dict[str, _Worker] = {}
         self._ids = itertools.count()
         self.weights = None  # the run's RayWeightSync: brings a worker that starts late up to date
@@ -212,6 +230,8 @@ class RayRolloutPool:
         return worker_id
 
     def ready_ids(self) -> list[str]:
+        if not self._serving:  # fewer than rollout.min_workers up so far: no leases yet
+            return []
         return [w for w, s in self.workers.items() if s.started and not (s.leaving or s.held or s.rejoining)]
 
     def inflight(self, worker_id: str) -> int:
@@ -219,6 +239,17 @@ class RayRolloutPool:
 
     def alive(self) -> int:
         return sum(w.started for w in self.workers.values())
+
+    def waiting(self) -> int:
+        """Workers asked for that Ray has not placed yet: waiting for capacity (a node with room)."""
+        return sum(not w.started and w.waiting for w in self.workers.values())
+
+    def fleet_line(self) -> str:
+        """`N of M up, K waiting for capacity, J starting` (the last two only when not 0)."""
+        waiting = self.waiting()
+        starting = len(self.workers) - self.alive() - waiting
+        return (f"{self.alive()} of {self.target} up" + (f", {waiting} waiting for capacity" if waiting else "")
+                + (f", {starting} starting" if starting else ""))
 
     def dispatch(self, worker_id: str, task: GroupTask):
         w = self.workers[worker_id]
@@ -273,7 +304,9 @@ class RayRolloutPool:
         return True
 
     def unresponsive(self, now: float) -> list[str]:
-        """Ping every worker each heartbeat; one silent past the timeout is lost. Live ones renew their leases."""
+        """Ping every worker each heartbeat; one silent past the timeout is lost. Live ones renew their leases.
+        A worker not up yet is lost only once placed and not built within start_timeout_s (see the class doc)."""
+        self._take_census(now)
         lost = []
         for worker_id, w in list(self.workers.items()):
             if w.ping_ref is not None:
@@ -306,6 +339,8 @@ class RayRolloutPool:
                             w.started, w.rejoining = True, False
             if w.ping_ref is None and now - w.last_ok >= self.heartbeat_s:
                 w.ping_ref = w.handle.ping.remote()
+            if not w.started and w.waiting:
+                continue  # waiting for a node: capacity, not a failed start
             if now - w.last_ok > (self.heartbeat_timeout_s if w.started else self.start_timeout_s):
                 w.lost_reason = (f"no heartbeat for {now - w.last_ok:.0f} s" if w.started else
                                  f"did not start within {self.start_timeout_s:.0f} s (rollout.start_timeout_s)")
@@ -316,8 +351,37 @@ class RayRolloutPool:
         return lost
 
     def _started(self, worker_id: str, w: _Worker) -> None:
-        w.started, self._start_failures = True, 0
-        self.on_event("worker", f"rollout worker {worker_id} up ({self.alive()}/{self.target})")
+        w.started, w.waiting, self._start_failures = True, False, 0
+        self.on_event("worker", f"rollout worker {worker_id} up ({self.fleet_line()})")
+        if not self._serving and self.alive() >= self.min_workers:
+            self._serving = True
+            self.on_event("worker", f"{self.alive()} rollout worker{'s' * (self.alive() > 1)} up "
+                          f"(rollout.min_workers={self.min_workers}): leases start; {self.fleet_line()}")
+
+    def _take_census(self, now: float) -> None:
+        """Ask Ray (once a heartbeat) which workers not up yet wait for capacity; say it when that count changes;
+        stop the run when fewer than min_workers were placed within start_timeout_s."""
+        pending = {actor_id(w.handle): w for w in self.workers.values() if not w.started}
+        if pending and now >= self._next_census:
+            self._next_census = now + self.heartbeat_s
+            waiting = self.census(list(pending))
+            if waiting is not None:  # no answer: deadlines run on elapsed time, as before
+                for aid, w in pending.items():
+                    w.waiting = aid in waiting
+                    if w.waiting:  # its start deadline counts from placement, not from the ask
+                        w.last_ok = now
+        if self.waiting() != self._waiting_said and (self.waiting() or self._waiting_said > 0):
+            self._waiting_said = self.waiting()
+            self.on_event("worker", f"rollout workers: {self.fleet_line()}"
+                          + (f" (each asks for {self.asks})" if self.waiting() else ""))
+        if not self._serving and now >= self._placement_deadline:
+            placed = len(self.workers) - self.waiting()
+            if placed < self.min_workers:
+                raise RuntimeError(
+                    f"only {placed} of {self.target} rollout workers were placed within {self.start_timeout_s:g} s "
+                    f"(rollout.start_timeout_s) and rollout.min_workers={self.min_workers} must be up to train: "
+                    f"{self.waiting()} wait for capacity (each asks for {self.asks}; Ray has {_free_resources()} "
+                    "free): the run stops")
 
     def _start_failed(self, worker_id: str, error: Exception) -> None:
         """A worker that died in its constructor (or refused its first weights) before it ever started;
@@ -341,7 +405,7 @@ class RayRolloutPool:
             backoff = (f"; {self.respawn.in_row} lost in a row before finishing a group, it waited "
                        f"{self.respawn.delay():.1f} s" if self.respawn.in_row else "")
             self.on_event("worker", f"starting rollout worker {self._spawn()} to replace a lost one "
-                          f"({self.alive()}/{self.target} up{backoff})")
+                          f"({self.fleet_line()}{backoff})")
         return retired
 
     def preempt_all(self) -> None:

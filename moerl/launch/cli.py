@@ -49,13 +49,45 @@ def kubernetes_manifests(plan: Any) -> list[dict[str, Any]]:
         return [plan.secret, *(job for _, job in _manifests(runner, plan))]
 
 
-def dryrun_header(plan: Any) -> str:
-    """YAML comments before the dry run's documents: how to make the token Secret; which Secrets must exist."""
+FLEET_ANNOTATION = "moerl.dev/fleet-growth"  # on the rollout job: how its workers come up (`fleet_growth`)
+
+
+def fleet_growth(cfg: Any) -> str:
+    """How the rollout fleet grows, in one line ("" without rollout nodes): rollout.min_workers up before leases
+    start, on the launch.rollout_min_nodes the job starts with; the rest wait for capacity (moerl/actors/pools.py)
+    and join as spot nodes come. Says so when the first nodes cannot hold min_workers (the run would stop after
+    rollout.start_timeout_s unless more nodes come by then)."""
+    from moerl.launch.presets import PRESETS
+
+    la, ro = cfg.launch, cfg.rollout
+    if not la.rollout_nodes:
+        return ""
+    itype = PRESETS.get(la.rollout_instance_type or la.instance_type)
+    gpus = la.gpus_per_node if la.gpus_per_node != -1 or itype is None else itype.gpus
+    per_node = int(gpus // ro.gpus_per_worker) if ro.gpus_per_worker > 0 else 0
+    first = (f" ({la.rollout_min_nodes * per_node} workers at {per_node} per node)" if per_node else "")
+    line = (f"rollout fleet: leases start once rollout.min_workers={ro.min_workers} of rollout.num_workers="
+            f"{ro.num_workers} workers are up; the rollout job starts with launch.rollout_min_nodes="
+            f"{la.rollout_min_nodes} {la.rollout_capacity} nodes{first} and grows to launch.rollout_nodes="
+            f"{la.rollout_nodes} as capacity comes; the other {ro.num_workers - ro.min_workers} workers wait for "
+            "capacity, without a deadline, and join as their nodes come")
+    if per_node and ro.min_workers > la.rollout_min_nodes * per_node:
+        line += (f". warning: the first {la.rollout_min_nodes} nodes hold {la.rollout_min_nodes * per_node} workers, "
+                 f"fewer than rollout.min_workers: the run stops unless more nodes come within "
+                 f"rollout.start_timeout_s={ro.start_timeout_s:g} s")
+    return line
+
+
+def dryrun_header(plan: Any, growth: str = "") -> str:
+    """YAML comments before the dry run's documents: how to make the token Secret; which Secrets must exist; how
+    the rollout fleet grows (`fleet_growth`)."""
     from moerl.launch.kubernetes import create_secret_command
 
     lines = ["moerl launch --dryrun: nothing was submitted; `kubectl apply -f -` takes these as they are.",
              "Ray's auth token is not printed. Create its Secret once, before applying (a real launch does):",
              f"  {create_secret_command(plan.secret)}"]
+    if growth:
+        lines.append(growth)
     refs = sorted({(k, v) for p in plan.apps if p.shape for k, v in p.shape.secret_env.items()})
     if refs:
         lines.append(f"These Secrets (launch.secret_env) must exist in namespace {plan.secret['metadata']['namespace']}:")
@@ -140,7 +172,8 @@ def main(argv: list[str]) -> int:
     from moerl.launch.plan import plan as make_plan
 
     try:
-        plan = make_plan(load_config(args.config, overrides), args.scheduler)
+        cfg = load_config(args.config, overrides)
+        plan = make_plan(cfg, args.scheduler)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -157,8 +190,11 @@ def main(argv: list[str]) -> int:
             return _local(runner, infos[0][0])
         jobs = [job for _, job in infos if job is not None]
         assert plan.secret is not None and len(jobs) == len(infos), "a kubernetes plan shapes every job"
+        growth = fleet_growth(cfg)
+        for job in jobs[1:]:  # the rollout job (after the trainer's): submitted with it too, for kubectl describe
+            job["metadata"].setdefault("annotations", {})[FLEET_ANNOTATION] = growth
         if args.dryrun:
-            print(dryrun_header(plan) + to_yaml(jobs), end="")
+            print(dryrun_header(plan, growth) + to_yaml(jobs), end="")
             return 0
         missing = _missing_secrets(plan)
         if missing:

@@ -131,8 +131,9 @@ class Controller:
             if self.evaluator is not None:
                 self.evaluator.poll()
             self.failures.check()
-            # The first rollout workers' start-up is not a step's wait (rollout.start_timeout_s bounds it).
-            self._workers_up = self._workers_up or self.workers.alive() > 0
+            # The first rollout workers' start-up is not a step's wait (rollout.start_timeout_s bounds it), nor is
+            # waiting for rollout.min_workers of them: the watchdog counts once one may lease.
+            self._workers_up = self._workers_up or bool(self.workers.ready_ids())
             self.watchdog.check(self.state.step + 1, self._waiting_for, counting=self._workers_up)
         if self.evaluator is not None:
             self.evaluator.finish()

@@ -34,6 +34,7 @@ HEALTH_KEYS = (("policy/entropy", "entropy", ".2g", 6), ("is/ess", "ess", ".2f",
 QUEUE_KEY = "queue/pending"
 WORKERS_ALIVE_KEY = "workers/alive"
 WORKERS_TARGET_KEY = "workers/target"
+WORKERS_WAITING_KEY = "workers/waiting"  # asked for, not placed: waiting for capacity (moerl/actors/pools.py)
 
 
 def _number(metrics: Mapping[str, Any], key: str) -> float | None:
@@ -88,7 +89,11 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any], elapsed
         parts.append((10, f"queue {_fmt_int(_number(metrics, QUEUE_KEY))}"))
     if WORKERS_ALIVE_KEY in metrics:
         alive = _fmt_int(_number(metrics, WORKERS_ALIVE_KEY))
-        if WORKERS_TARGET_KEY in metrics:
+        waiting = _number(metrics, WORKERS_WAITING_KEY)
+        if WORKERS_TARGET_KEY in metrics and waiting:  # a fleet still growing: say how far
+            alive += (f" of {_fmt_int(_number(metrics, WORKERS_TARGET_KEY))} up, {_fmt_int(waiting)} waiting for "
+                      "capacity")
+        elif WORKERS_TARGET_KEY in metrics:
             alive += f"/{_fmt_int(_number(metrics, WORKERS_TARGET_KEY))}"
         parts.append((5, f"workers {alive}"))
     step_s = _number(metrics, "time/step_s")

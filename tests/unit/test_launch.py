@@ -86,7 +86,7 @@ def test_launch_section_rejects(override: str, needle: str) -> None:
     (["--train.num_ranks=129", "--ep.size=1"], r"'train.num_ranks' x train.gpus_per_rank needs 129 GPUs"),
     (["--ep.size=48"], r"config key 'ep.size' must divide train.num_ranks \(128\), got 48"),
     (["--rollout.num_workers=257"], r"'rollout.num_workers' .* needs 257 GPUs"),
-    (["--rollout.ep_size=16", "--rollout.gpus_per_worker=16", "--rollout.num_workers=16"],
+    (["--rollout.ep_size=16", "--rollout.gpus_per_worker=16", "--rollout.num_workers=16", "--rollout.min_workers=8"],
      r"'rollout.ep_size' \(16 GPUs per rollout engine\) exceeds the 8 GPUs of a rollout node"),
     (["--rollout.ep_size=8", "--rollout.gpus_per_worker=8"], r"'rollout.num_workers' .* needs 2048 GPUs"),
     (["--ray.address=10.0.0.1:6379"], r"'ray.address' must be empty"),
@@ -354,11 +354,29 @@ def test_dryrun_prints_yaml_and_submits_nothing(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(Runner, "schedule", refuse)
     monkeypatch.setattr(cli, "_create_secret", refuse)
     assert cli.main([str(EKS), "--scheduler", "kubernetes", "--dryrun", "--launch.rollout_nodes=2",
-                     "--launch.rollout_min_nodes=1", "--rollout.num_workers=16"]) == 0
+                     "--launch.rollout_min_nodes=1", "--rollout.num_workers=16", "--rollout.min_workers=8"]) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     assert [d["kind"] for d in docs] == ["Job", "Job"]  # the token Secret is a comment: see the next test
     assert len(docs[1]["spec"]["tasks"]) == 2
     assert all(efa_of(t["template"]["spec"])[:2] == ("16", "5120Mi") for d in docs for t in d["spec"]["tasks"])
+
+
+def test_dryrun_says_how_the_rollout_fleet_grows(capsys: pytest.CaptureFixture) -> None:
+    """The EKS config starts on 8 spot nodes with rollout.min_workers = 64 up and grows to 32 (issue 38 item 1):
+    said in the dry run's header and on the rollout job (an annotation), beside Volcano's minAvailable."""
+    assert cli.main([str(EKS), "--scheduler", "kubernetes", "--dryrun"]) == 0
+    out = capsys.readouterr().out
+    growth = ("rollout fleet: leases start once rollout.min_workers=64 of rollout.num_workers=256 workers are up; the "
+              "rollout job starts with launch.rollout_min_nodes=8 spot nodes (64 workers at 8 per node) and grows to "
+              "launch.rollout_nodes=32 as capacity comes; the other 192 workers wait for capacity, without a "
+              "deadline, and join as their nodes come")
+    assert f"# {growth}\n" in out
+    rollout = jobs([d for d in yaml.safe_load_all(out) if d])["qwen3-grpo-rollout"]
+    assert rollout["metadata"]["annotations"][cli.FLEET_ANNOTATION] == growth
+    assert rollout["spec"]["minAvailable"] == 8 and len(rollout["spec"]["tasks"]) == 32
+    short = cli.fleet_growth(eks("--rollout.min_workers=65"))
+    assert short.endswith("warning: the first 8 nodes hold 64 workers, fewer than rollout.min_workers: the run stops "
+                          "unless more nodes come within rollout.start_timeout_s=600 s")
 
 
 def test_cli_reports_bad_input(capsys: pytest.CaptureFixture) -> None:

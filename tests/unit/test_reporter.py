@@ -214,12 +214,13 @@ def test_rollout_pool_says_which_worker_was_lost_and_why(monkeypatch: pytest.Mon
     events: list[tuple[str, str]] = []
     pool = object.__new__(RayRolloutPool)  # no Ray: only the bookkeeping that emits events
     pool.target, pool._start_failures, pool.on_event = 2, 0, lambda kind, text: events.append((kind, text))
+    pool.min_workers, pool._serving = 2, False  # what __init__ sets: leases wait for 2 workers up
     pool.respawn = RespawnPolicy(8, 1.0, 60.0)  # what __init__ sets (moerl/actors/respawn.py)
     pool.workers = {"rollout-0": _Worker(handle=None, lost_reason="no heartbeat for 61 s"),
                     "rollout-1": _Worker(handle=None, leaving=True), "rollout-2": _Worker(handle=None)}
     pool._started("rollout-2", pool.workers["rollout-2"])
     assert pool.remove("rollout-0") and pool.remove("rollout-1") and not pool.remove("rollout-0")
-    assert events == [("worker", "rollout worker rollout-2 up (1/2)"),
+    assert events == [("worker", "rollout worker rollout-2 up (1 of 2 up, 2 starting)"),
                       ("worker", "rollout worker rollout-0 lost: no heartbeat for 61 s"),
                       ("worker", "rollout worker rollout-1 retired (preempted; its work was handed back)")]
 

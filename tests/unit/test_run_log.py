@@ -355,6 +355,9 @@ def test_progress_line_content() -> None:
         "step 3/5 | reward nan | queue - | workers 1 | 1:01:01"
     )
     assert format_line(3, 5, {"reward/mean": torch.tensor(-0.123456)}, 0).startswith("step 3/5 | reward -0.123 |")
+    growing = {"workers/alive": 64, "workers/target": 256, "workers/waiting": 192}  # a fleet waiting for spot nodes
+    assert format_line(3, 5, growing, 0) == "step 3/5 | workers 64 of 256 up, 192 waiting for capacity | 0:00:00"
+    assert format_line(3, 5, {**growing, "workers/waiting": 0}, 0) == "step 3/5 | workers 64/256 | 0:00:00"
     assert format_duration(100 * 3600 + 5) == "100:00:05"
 
 
