@@ -26,7 +26,7 @@ demo: $(STAMP)
 PROGRESS := $(VENV)/test-progress
 test: $(STAMP)
 	rm -f $(PROGRESS)
-	RAY_AUTH_MODE=disabled MOERL_TEST_PROGRESS=$(PROGRESS) $(PY) -m pytest -q -ra \
+	RAY_AUTH_MODE=disabled MOERL_TEST_PROGRESS=$(PROGRESS) $(PY) -m pytest -q -ra --durations=10 \
 		|| { rc=$$?; $(PY) tests/postmortem.py $(PROGRESS); exit $$rc; }
 
 # The GPU suite (tests/gpu), on a CUDA machine in one call: no venv there, the image's python3 and torch; Ray and the
