@@ -21,7 +21,8 @@ BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispat
            "async": "moerl.bench.async_loop", "checkpoint": "moerl.bench.checkpoint", "moe-decode": "moerl.bench.moe_decode",
            "train": "moerl.bench.train", "loop": "moerl.bench.loop", "learn": "moerl.bench.learn",
            "logprobs": "moerl.bench.logprobs", "kernels": "moerl.bench.kernels",
-           "varlen": "moerl.bench.varlen", "paged-decode": "moerl.bench.paged_decode"}
+           "varlen": "moerl.bench.varlen", "paged-decode": "moerl.bench.paged_decode",
+           "ray-fleet": "moerl.bench.ray_fleet"}
 
 
 def _bench(argv: list[str]) -> int:

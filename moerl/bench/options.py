@@ -200,6 +200,22 @@ def _paged_decode(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="128,1024,3072", help="positions each request holds, comma-separated")
 
 
+def _ray_fleet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default="8,16,32", help="fleet sizes, comma-separated")
+    p.add_argument("--seconds", type=float, default=20.0, help="the steady phase of each size")
+    p.add_argument("--storm", type=float, default=0.25, help="share of the workers SIGTERMed at once")
+    p.add_argument("--lengths", default="64,128,256,512", help="completion lengths drawn per sample (tokens)")
+    p.add_argument("--tokens-per-s", type=float, default=400.0, help="simulated decode rate per request")
+    p.add_argument("--step-s", type=float, default=0.02, help="simulated decode step")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--inflight", type=int, default=4, help="groups a worker holds at once")
+    p.add_argument("--weight-mb", type=float, default=4.0, help="one weight version's size")
+    p.add_argument("--publish-s", type=float, default=2.0, help="a new weight version to every worker this often")
+    p.add_argument("--heartbeat-s", type=float, default=2.0, help="rollout.heartbeat_s")
+    p.add_argument("--num-cpus", type=int, default=2, help="Ray's CPUs (the workers ask for 0)")
+    p.add_argument("--start-timeout-s", type=float, default=600.0, help="a fleet not whole by then fails the run")
+
+
 # name -> (module, what adds its arguments)
 OPTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "moe-layer": ("moerl.bench.moe_layer", _moe_layer), "dispatch": ("moerl.bench.dispatch", _dispatch),
@@ -208,6 +224,7 @@ OPTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "train": ("moerl.bench.train", _train), "loop": ("moerl.bench.loop", _loop),
     "logprobs": ("moerl.bench.logprobs", _logprobs), "kernels": ("moerl.bench.kernels", _kernels),
     "varlen": ("moerl.bench.varlen", _varlen), "paged-decode": ("moerl.bench.paged_decode", _paged_decode),
+    "ray-fleet": ("moerl.bench.ray_fleet", _ray_fleet),
 }
 
 
