@@ -22,7 +22,7 @@ BENCHES = {"moe-layer": "moerl.bench.moe_layer", "dispatch": "moerl.bench.dispat
            "train": "moerl.bench.train", "loop": "moerl.bench.loop", "learn": "moerl.bench.learn",
            "logprobs": "moerl.bench.logprobs", "kernels": "moerl.bench.kernels",
            "varlen": "moerl.bench.varlen", "paged-decode": "moerl.bench.paged_decode",
-           "fleet": "moerl.bench.fleet", "plan": "moerl.bench.plan_report"}
+           "fleet": "moerl.bench.fleet", "plan": "moerl.bench.plan_report", "ray-fleet": "moerl.bench.ray_fleet"}
 
 
 def _bench(argv: list[str]) -> int:

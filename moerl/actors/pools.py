@@ -192,7 +192,8 @@ class RayRolloutPool:
                  queue: WorkQueue, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
                  max_inflight_groups: int = 8, start_timeout_s: float = 600.0,
                  on_event: Callable[[str, str], None] | None = None, respawn: RespawnPolicy | None = None,
-                 min_workers: int = 1, census: Callable[[list[str]], set[str] | None] = waiting_for_capacity) -> None:
+                 min_workers: int = 1, census: Callable[[list[str]], set[str] | None] = waiting_for_capacity,
+                 worker_class: type = RolloutWorker) -> None:
         self.spec, self.target, self.queue = spec, target, queue
         self.min_workers = max(1, min(min_workers, target))
         self.census = census  # actor ids -> those waiting for capacity; None when Ray could not be asked
@@ -213,7 +214,7 @@ class RayRolloutPool:
                    "max_concurrency": max_inflight_groups + 8, "max_restarts": 0}
         if _has_rollout_nodes():
             options["resources"] = {"rollout": 0.001}
-        self.cls, self.options = ray.remote(RolloutWorker), options
+        self.cls, self.options = ray.remote(worker_class), options  # a bench's stub-engine worker: worker_class
         self.asks = (f"{cpus_per_worker:g} CPU, {gpus_per_worker:g} GPU" + (", a rollout node" if "resources" in options
                                                                            else ""))  # for the capacity lines
         self.workers: dict[str, _Worker] = {}

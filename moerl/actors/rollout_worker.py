@@ -63,10 +63,7 @@ class RolloutWorker:
         self.worker_id, self.spec = worker_id, spec
         dtype = getattr(torch, spec.dtype)
         arch = MoEModelConfig.from_hf_dict(spec.arch)
-        # The memory plan, before any weight loads: one line, or one clear error when the weights cannot fit.
-        print(f"rollout worker {worker_id}: {plan_for_device(arch, spec.engine, dtype, spec.device).describe()}",
-              flush=True)
-        self.engine = EngineThread(_build_engine(spec, arch, dtype))
+        self.engine = EngineThread(self.build_engine(spec, arch, dtype))
         self.receiver = weight_sync.Receiver(self.engine.engine.device)
         self.task = load_task(spec.task_name, spec.task_options, seed=spec.seed)
         self.scorer = RewardScorer(self.task, spec.reward_timeout_s)  # a hung reward fails its sample, not the worker
@@ -83,6 +80,13 @@ class RolloutWorker:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         if spec.imds_url:
             threading.Thread(target=self._poll_imds, daemon=True, name="moerl-imds").start()
+
+    def build_engine(self, spec: WorkerSpec, arch: MoEModelConfig, dtype: torch.dtype) -> Engine | GroupLeader:
+        """The worker's engine; `moerl bench ray-fleet` puts a stub engine here (moerl/bench/ray_fleet.py)."""
+        # The memory plan, before any weight loads: one line, or one clear error when the weights cannot fit.
+        print(f"rollout worker {self.worker_id}: {plan_for_device(arch, spec.engine, dtype, spec.device).describe()}",
+              flush=True)
+        return _build_engine(spec, arch, dtype)
 
     # ---------------------------------------------------------------- work
     def run_group(self, task: GroupTask) -> GroupResult:

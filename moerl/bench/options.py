@@ -252,6 +252,20 @@ def _plan(p: argparse.ArgumentParser) -> None:
                    choices=["object-store", "nccl-broadcast", "node-broadcast-ipc", "node-sharded-ipc"])
     p.add_argument("--efficiency", type=float, default=0.8, help="achieved share of a link's bandwidth")
     p.add_argument("--tcp-gbps", type=float, default=100.0, help="what one node's TCP path gives Ray's object store")
+def _ray_fleet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default="8,16,32", help="fleet sizes, comma-separated")
+    p.add_argument("--seconds", type=float, default=20.0, help="the steady phase of each size")
+    p.add_argument("--storm", type=float, default=0.25, help="share of the workers SIGTERMed at once")
+    p.add_argument("--lengths", default="64,128,256,512", help="completion lengths drawn per sample (tokens)")
+    p.add_argument("--tokens-per-s", type=float, default=400.0, help="simulated decode rate per request")
+    p.add_argument("--step-s", type=float, default=0.02, help="simulated decode step")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--inflight", type=int, default=4, help="groups a worker holds at once")
+    p.add_argument("--weight-mb", type=float, default=4.0, help="one weight version's size")
+    p.add_argument("--publish-s", type=float, default=2.0, help="a new weight version to every worker this often")
+    p.add_argument("--heartbeat-s", type=float, default=2.0, help="rollout.heartbeat_s")
+    p.add_argument("--num-cpus", type=int, default=2, help="Ray's CPUs (the workers ask for 0)")
+    p.add_argument("--start-timeout-s", type=float, default=600.0, help="a fleet not whole by then fails the run")
 
 
 # name -> (module, what adds its arguments)
@@ -263,6 +277,7 @@ OPTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "logprobs": ("moerl.bench.logprobs", _logprobs), "kernels": ("moerl.bench.kernels", _kernels),
     "varlen": ("moerl.bench.varlen", _varlen), "paged-decode": ("moerl.bench.paged_decode", _paged_decode),
     "fleet": ("moerl.bench.fleet", _fleet), "plan": ("moerl.bench.plan_report", _plan),
+    "ray-fleet": ("moerl.bench.ray_fleet", _ray_fleet),
 }
 
 
