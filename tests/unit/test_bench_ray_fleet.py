@@ -1,6 +1,6 @@
 """`moerl bench ray-fleet` without Ray: the stub engine keeps the engine's contract (lengths by sample, so a
 continuation elsewhere ends where the first would have; aborts hand back partials; weights land through the real
-apply_weights), and the extrapolation to 256 workers. A run of 2 workers: tests/integration/test_bench_ray_fleet.py."""
+apply_weights), and the extrapolation to 256 workers. A run of 2 workers: tests/integration/test_ray_fleet_run.py."""
 
 from __future__ import annotations
 
