@@ -201,6 +201,7 @@ class RayRolloutPool:
         self._next_census = 0.0
         self._waiting_said = -1  # the waiting count last said in an event
         self._placement_deadline = time.monotonic() + start_timeout_s  # min_workers placed by then, or stop
+        self._placed_enough = False  # min_workers were placed at once (a census said so): capacity is not the issue
         self.on_event = on_event or (lambda kind, text: None)
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.start_timeout_s = start_timeout_s  # a worker not up by then (placed and built) is a failed start
@@ -371,12 +372,15 @@ class RayRolloutPool:
                     w.waiting = aid in waiting
                     if w.waiting:  # its start deadline counts from placement, not from the ask
                         w.last_ok = now
+                # Once min_workers were placed together, a later stop is a failed start's to make: a replacement
+                # of one that hung is pending for a moment (no process yet) and would read as capacity.
+                self._placed_enough |= len(self.workers) - self.waiting() >= self.min_workers
         if self.waiting() != self._waiting_said and (self.waiting() or self._waiting_said > 0):
             self._waiting_said = self.waiting()
             self.on_event("worker", f"rollout workers: {self.fleet_line()}"
                           + (f" (each asks for {self.asks})" if self.waiting() else ""))
-        if not self._serving and now >= self._placement_deadline:
-            placed = len(self.workers) - self.waiting()
+        if not (self._serving or self._placed_enough) and now >= self._placement_deadline:
+            placed = self.target - self.waiting()  # one placed that hung may be gone and not yet replaced
             if placed < self.min_workers:
                 raise RuntimeError(
                     f"only {placed} of {self.target} rollout workers were placed within {self.start_timeout_s:g} s "

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, TextIO
+from typing import Any, Callable, Literal, Mapping, TextIO
 
 from moerl.runlog.run_log import STEP_PHASES
 
@@ -143,7 +143,7 @@ class Progress:
     def __init__(
         self,
         total_steps: int,
-        stream: TextIO | None = sys.stderr,
+        stream: TextIO | None | Literal["stderr"] = "stderr",
         *,
         log_interval_s: float = 30.0,
         tty: bool | None = None,
@@ -151,9 +151,10 @@ class Progress:
         eta_window: int = 20,
     ) -> None:
         self.total_steps = int(total_steps)
-        self.stream = stream
+        self._stream = stream  # "stderr": the sys.stderr of each write (a default of sys.stderr would bind the one
+        # of import time: a test's captured stream, or one a caller has since replaced); None: silent
         self.log_interval_s = float(log_interval_s)
-        self.tty = (_is_tty(stream) if stream is not None else False) if tty is None else tty
+        self.tty = (_is_tty(self.stream) if self.stream is not None else False) if tty is None else tty
         self._clock = clock
         self._t0 = clock()
         self._lock = threading.RLock()
@@ -164,6 +165,10 @@ class Progress:
         self._closed = False
         self._recent: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=max(2, eta_window + 1))
         self.last_line = ""
+
+    @property
+    def stream(self) -> TextIO | None:
+        return sys.stderr if self._stream == "stderr" else self._stream
 
     def elapsed(self) -> float:
         return self._clock() - self._t0

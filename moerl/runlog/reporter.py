@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, Callable, Literal, Mapping, Sequence, TextIO
 
 from moerl.redact import redact
 from moerl.runlog.disk import DiskWriteError
@@ -91,7 +90,7 @@ class RunReporter:
     """
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, resume: bool = False,
-                 stream: TextIO | None = sys.stderr, tty: bool | None = None,
+                 stream: TextIO | None | Literal["stderr"] = "stderr", tty: bool | None = None,
                  wandb: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
                  tensorboard: bool = True, samples_per_log: int = 4, samples_every_s: float = 60.0,
                  throughput_window: int = 20, plot_every_s: float = 60.0, log_interval_s: float = 30.0,

@@ -121,6 +121,14 @@ def shared_ray(request) -> Iterator[object]:
 
 
 @pytest.fixture
+def no_ray() -> Iterator[None]:
+    """No Ray up when the test starts: the shared one is stopped (it comes back for the next test that asks); for a
+    test that starts Ray its own way (a multi-node cluster, a bench)."""
+    SUITE.stop()
+    yield
+
+
+@pytest.fixture
 def own_ray(monkeypatch) -> Iterator[None]:
     """No Ray up; every `ray.shutdown()` the test makes (train's own) runs with the run's Ray objects out of the
     collector's reach (moerl/ray_gc.py), and Ray is down after the test."""

@@ -47,7 +47,7 @@ class GatedTask(ArithmeticTask):
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
+def cluster(tmp_path, monkeypatch, no_ray):
     """A head (the trainer's node: no `rollout` resource) and one rollout node with 2 CPUs: room for 2 workers
     of 1 CPU each. Ray's processes take this environment: the repo importable, the gate directory."""
     import ray

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(300)
-def test_two_workers_start_work_and_weather_a_storm(capsys, monkeypatch):
+def test_two_workers_start_work_and_weather_a_storm(capsys, monkeypatch, no_ray):
     import ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

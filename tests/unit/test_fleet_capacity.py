@@ -107,6 +107,24 @@ def test_fewer_than_min_workers_placed_in_time_stop_the_run(fleet):
                                    "and rollout.min_workers=2 must be up to train: 3 wait for capacity"), str(e.value)
 
 
+def test_placed_workers_that_hang_and_are_removed_are_failed_starts_not_a_capacity_stop(fleet):
+    """Placed workers whose constructors hang are lost at the deadline and removed before the pool tops up: the
+    pool then holds fewer than min_workers, yet none waits for capacity, so the start-failure path speaks (it ends
+    the run after max_start_failures in a row), not the capacity stop ("only 1 of 4 were placed")."""
+    pool, handles, held, events = fleet
+    held.clear()  # every worker placed
+    pool.max_start_failures = 10
+    handles["rollout-0"].answers = True
+    pool.workers["rollout-0"].ping_ref = Ref({"version": 0})
+    pool.unresponsive(1.0)
+    assert pool.alive() == 1 and pool.ready_ids() == []  # 1 of min_workers = 2 up
+    lost = pool.unresponsive(10.5)
+    assert sorted(lost) == ["rollout-1", "rollout-2", "rollout-3"] and pool._start_failures == 3
+    for worker_id in lost:
+        pool.remove(worker_id)
+    assert pool.unresponsive(11.0) == []  # held: 1, waiting: 0, past the placement deadline, and no stop
+
+
 def test_census_reads_rays_account_of_each_actor():
     table = {"DEPENDENCIES_UNREADY": {"a": {"Pid": 0}},
              "PENDING_CREATION": {"b": {"Pid": 0}, "c": {"Pid": 4242}, "other-job": {"Pid": 0}}}

@@ -420,6 +420,16 @@ def test_progress_silent_without_stream() -> None:
     progress.close()
 
 
+def test_progress_writes_to_the_stderr_of_now_not_of_import(monkeypatch) -> None:
+    """A default bound at import wrote every later run's lines to the first test's captured stream."""
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    progress = Progress(1, log_interval_s=0.0)
+    progress.update(1, FULL)
+    progress.close()
+    assert now.getvalue().startswith("step 1/1")
+
+
 def test_resume_drops_the_rows_of_steps_after_the_checkpoint(tmp_path):
     """A run killed at step 5 resumes from its checkpoint at step 3: steps 4-5 are trained again, so their
     metrics and trajectories must not stay in the log twice."""
