@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import run_ranks
+from dist_harness import preload, run_ranks
 from moerl.ep import make_dispatcher
 from moerl.ep.all_to_all import AllToAllDispatcher
 from moerl.ep.dispatcher import LocalDispatcher
@@ -24,6 +24,11 @@ WORLD_SIZES = [2, 4]
 
 # ---------------------------------------------------------------- dispatcher level (float64)
 E, K, D = 8, 2, 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver() -> None:
+    preload("moerl.model", "moerl.ep", __name__)
 
 
 # (may_drop, tokens per rank): uneven counts, a rank with no tokens first and last, dropped pairs.

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dist_harness import run_ranks
+from dist_harness import preload, run_ranks
 from moerl.model import build_model, tiny_config
 from moerl.train.loss import LossConfig
 from moerl.train.batching import split_by_tokens
@@ -25,6 +25,11 @@ from moerl.train.trainer import OptimConfig, PolicyTrainer, Sample, merge_rank_m
 pytestmark = pytest.mark.distributed
 LAYOUTS = [("fsdp", True), ("fsdp", False), ("replicate", True), ("replicate", False)]
 STEPS, SAMPLES = 3, 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver() -> None:
+    preload("moerl.model", "moerl.train.trainer", __name__)
 
 
 def arch():
