@@ -32,11 +32,16 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/moerl train configs/demo.toml
 
-# If pytest dies inside a test (no summary), tests/postmortem.py names the test from the progress record.
+# Two passes: the unit tests (no Ray, no processes of their own) on both cores at once, then the distributed and
+# integration tests one at a time (each runs a Ray or a gloo group that wants the whole machine; run side by side
+# they slowed each other 2-4x). If pytest dies inside a test (no summary), tests/postmortem.py names the test from
+# the progress record.
 PROGRESS := $(VENV)/test-progress
+PYTEST := RAY_AUTH_MODE=disabled MOERL_TEST_PROGRESS=$(PROGRESS) $(PY) -m pytest -q -ra
 test: $(STAMP)
 	rm -f $(PROGRESS)
-	RAY_AUTH_MODE=disabled MOERL_TEST_PROGRESS=$(PROGRESS) $(PY) -m pytest -q -ra --durations=10 \
+	$(PYTEST) -n 2 tests/unit || { rc=$$?; $(PY) tests/postmortem.py $(PROGRESS); exit $$rc; }
+	$(PYTEST) --durations=10 tests/distributed tests/integration tests/gpu \
 		|| { rc=$$?; $(PY) tests/postmortem.py $(PROGRESS); exit $$rc; }
 
 # The GPU suite (tests/gpu), on a CUDA machine in one call: no venv there, the image's python3 and torch; Ray and the

@@ -61,8 +61,12 @@ class RunConfig:
     """auto = cuda when available, else cpu"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """logging verbosity"""
+    plots: bool = True
+    """rewrite the run's PNG curves (reward, throughput, step time, expert load) every minute and at the end"""
+    tensorboard: bool = True
+    """write TensorBoard event files under <run.dir>/tensorboard (metrics.jsonl is written either way)"""
     wandb: bool = False
-    """also log to Weights & Biases (pip install wandb); TensorBoard is always written"""
+    """also log to Weights & Biases (pip install wandb)"""
     wandb_project: str = "moerl"
     """the W&B project"""
     wandb_name: str = ""

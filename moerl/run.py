@@ -417,7 +417,8 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
         # the run log, progress lines, plots and W&B; the checkpointer and the rollout pool report through `event`
         wandb = ({"project": cfg.run.wandb_project, "name": cfg.run.wandb_name or cfg.run.name,
                   "mode": cfg.run.wandb_mode} if cfg.run.wandb else None)
-        report = RunReporter(run_dir, cfg.train.steps, resume=resuming, wandb=wandb,
+        report = RunReporter(run_dir, cfg.train.steps, resume=resuming, wandb=wandb, tensorboard=cfg.run.tensorboard,
+                             plot_every_s=60.0 if cfg.run.plots else 0.0,
                              config=redact_config({k: v for k, v in dataclasses.asdict(cfg).items() if k != "launch"}))
         checkpointer.on_event = report.event
         report.stage(f"run {cfg.run.name}: {cfg.train.steps} RL steps"

@@ -9,6 +9,7 @@ that died or hung without one. Results travel through files that `fn` writes its
 
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 import time
@@ -30,7 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bootstrap(rank: int, world_size: int, port: int, report_dir: str, fn, args) -> None:
+def _bootstrap(rank: int, world_size: int, port: int, report_dir: str, fn, args, environ: dict[str, str]) -> None:
+    # A forked rank has the forkserver's environment, from when it started: take the caller's of now, as a spawned
+    # rank would (a test's monkeypatched credentials or endpoint).
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)  # the ranks share two cores: one thread each avoids oversubscription
     report = Path(report_dir) / f"rank{rank}"
     try:
@@ -74,7 +79,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, grace: float =
     with tempfile.TemporaryDirectory(prefix="moerl-dist-") as report_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_bootstrap, args=(r, world_size, port, report_dir, fn, args), daemon=True)
+            ctx.Process(target=_bootstrap, args=(r, world_size, port, report_dir, fn, args, dict(os.environ)), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

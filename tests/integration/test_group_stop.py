@@ -27,6 +27,7 @@ def _start(run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", str(REPO / "configs" / "demo.toml"),
                              f"--run.dir={run_dir}", "--train.steps=400", "--train.sft_steps=0",
                              "--rollout.num_workers=1", "--ray.num_cpus=2",
+                             "--run.plots=false", "--run.tensorboard=false",
                              "--train.batch_groups=2", "--rollout.group_size=4"],  # a short step 1
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group, as `setsid moerl train` makes

@@ -24,8 +24,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.toml"
+QUIET = ["--run.plots=false", "--run.tensorboard=false"]  # what these tests never look at: ~1 s a run
 SHORT = ["--train.steps=2", "--train.sft_steps=2", "--train.batch_groups=2", "--rollout.group_size=4",
-         "--rollout.num_workers=1"]
+         "--rollout.num_workers=1", *QUIET]
 pytestmark = pytest.mark.integration
 
 
@@ -129,7 +130,7 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
         "rank0": subprocess.Popen([*node, "trainer", "--rank", "0", "--nodes", "2", "--port", str(port),
                                    "--wait-s", "120", "--config", str(DEMO), "--train.steps=2000", "--train.sft_steps=0",
                                    "--train.num_ranks=2", "--rollout.num_workers=1", "--checkpoint.every=100000",
-                                   "--train.batch_groups=2", "--rollout.group_size=4",
+                                   "--train.batch_groups=2", "--rollout.group_size=4", *QUIET,
                                    f"--run.dir={run_dir}"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True),
         "rank1": subprocess.Popen([*node, "trainer", "--rank", "1", "--head", head, "--wait-s", "120",

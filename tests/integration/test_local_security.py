@@ -112,7 +112,8 @@ def test_a_local_run_listens_on_loopback_only_behind_its_own_token_and_ctrl_c_sa
     run = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", str(REPO / "configs" / "demo.toml"),
                             f"--run.dir={tmp_path}", f"--train.steps={steps}", "--train.sft_steps=0",
                             "--train.batch_groups=2", "--rollout.group_size=4", "--rollout.num_workers=1",
-                            "--checkpoint.every=0"],  # only Ctrl-C's save
+                            "--checkpoint.every=0",  # only Ctrl-C's save
+                            "--run.plots=false", "--run.tensorboard=false"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     token_dir = None
     try:

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
 SMALL = ["--train.sft_steps=3", "--train.batch_groups=2", "--rollout.group_size=4", "--rollout.num_workers=1",
-         "--checkpoint.every=1", "--rollout.heartbeat_s=0.5"]
+         "--checkpoint.every=1", "--rollout.heartbeat_s=0.5", "--run.plots=false", "--run.tensorboard=false"]
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:

@@ -70,7 +70,8 @@ def small_config(run_dir: Path, *extra: str, steps: int = STEPS):
         f"--run.dir={run_dir}", "--train.sft_steps=5", "--train.sft_batch=32", f"--train.steps={steps}",
         "--train.batch_groups=4", "--train.max_staleness=4", f"--rollout.group_size={GROUP}",
         "--rollout.max_new_tokens=48", "--rollout.max_seq_len=64", "--task.options.max_operand=999",
-        "--rollout.heartbeat_s=0.5", "--rollout.heartbeat_timeout_s=10", "--rollout.grace_s=10", *extra])
+        "--rollout.heartbeat_s=0.5", "--rollout.heartbeat_timeout_s=10", "--rollout.grace_s=10",
+        "--run.plots=false", "--run.tensorboard=false", *extra])  # what these tests never look at: ~1 s a run
 
 
 class Captured:
