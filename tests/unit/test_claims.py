@@ -55,3 +55,27 @@ def test_the_medium_presets_comment_states_its_counts() -> None:
     total, _, core = _counts(run.model_architecture(load_config(None, ["--model.preset=medium"]), ArithmeticTask()))
     source = (REPO / "moerl" / "run.py").read_text()
     assert f"{total:.2f}B parameters at the byte vocabulary, {core:.2f}B of\n        # them active per token" in source
+
+
+def test_the_eks_config_says_which_of_its_paths_ran_on_gloo_only() -> None:
+    """configs/eks-p5en.toml relies on paths that have run on gloo only (issue 37 item 15): its header and
+    docs/architecture.md's "Where each path has run" say so, naming each path the config turns on."""
+    from moerl.config import load_config
+
+    cfg = load_config(REPO / "configs" / "eks-p5en.toml", [])
+    relies_on = []
+    if cfg.ep.size > 1 and cfg.model.dispatcher == "all_to_all":
+        relies_on.append("all_to_all EP")
+    if cfg.train.num_ranks > 1 and cfg.train.data_parallel == "fsdp":
+        relies_on.append("FSDP2 over many ranks")
+        if cfg.ep.size > 1:
+            relies_on.append("FSDP2 x EP")
+    assert relies_on, "the EKS config no longer turns on a gloo-only path: revise its header and this test"
+    header = " ".join(line.lstrip("# ") for line in (REPO / "configs" / "eks-p5en.toml").read_text().splitlines()
+                      if line.startswith("#"))
+    section = (REPO / "docs" / "architecture.md").read_text().split("## Where each path has run")[1]
+    for text, where in ((header, "configs/eks-p5en.toml's header"), (section, "docs/architecture.md")):
+        flat = " ".join(text.split())
+        assert "gloo only" in flat, where
+        for path in relies_on:
+            assert path in flat, f"{where} does not name {path!r} as run on gloo only"
