@@ -9,7 +9,8 @@ STAMP := $(VENV)/.moerl-installed
 .PHONY: demo test test-gpu venv clean
 
 # uv installs the ~150 wheels in seconds where pip takes 70-80 s on the 2-core box (the suite's 10-minute budget
-# includes the venv). pip fetches uv into the venv; uv is given the wheel directories pip is configured with
+# includes the venv). --compile-bytecode as pip does: with PYTHONDONTWRITEBYTECODE set (as on this box) a venv without
+# .pyc files compiles torch in every process it starts, and the suite ran 2x slower. pip fetches uv into the venv; uv is given the wheel directories pip is configured with
 # (`pip config get global.find-links`: where the CPU torch lies). Should uv be missing or fail (USE_UV=0 to skip
 # it), pip installs it all.
 USE_UV ?= 1
@@ -18,7 +19,7 @@ UV_FIND := $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@if [ "$(USE_UV)" = 1 ] && $(PY) -m pip install -q uv 2>/dev/null && \
-		$(UV) pip install -q --python $(PY) $(UV_FIND) "$(TORCH_PIN)" -e ".[test]"; then :; else \
+		$(UV) pip install -q --compile-bytecode --python $(PY) $(UV_FIND) "$(TORCH_PIN)" -e ".[test]"; then :; else \
 		echo "installing with pip"; \
 		$(PY) -m pip install -q --upgrade pip && \
 		$(PY) -m pip install -q "$(TORCH_PIN)" && \
