@@ -26,7 +26,7 @@ from tests.integration.test_rl_faults import captured, check_trained_once, last_
 REPO = Path(__file__).resolve().parents[2]
 GATE_ENV = "MOERL_TEST_FLEET_GATE"
 LATE = "RolloutWorker-rollout-2"  # the third worker asked for: the one without room until the node comes
-START_S = 20  # rollout.start_timeout_s: the late worker waits for its node longer than this
+START_S = 12  # rollout.start_timeout_s: the late worker waits for its node longer than this
 GATED = 8  # prompts at this index and after wait on the early workers until the late one has worked
 pytestmark = pytest.mark.integration
 

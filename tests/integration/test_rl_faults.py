@@ -414,8 +414,8 @@ def test_workers_that_never_start_end_the_run(tmp_path, own_ray):
     from moerl.run import train
 
     cfg = small_config(tmp_path, "--task.name=tests.integration.test_rl_faults:HangingTask",
-                       "--rollout.num_workers=1", "--rollout.start_timeout_s=4", "--rollout.heartbeat_s=0.5",
-                       "--train.sft_steps=0")
+                       "--rollout.num_workers=1", "--rollout.start_timeout_s=3", "--rollout.heartbeat_s=0.5",
+                       "--rollout.respawn_backoff_s=0", "--train.sft_steps=0")
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         train(cfg)
