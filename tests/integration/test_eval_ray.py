@@ -33,4 +33,4 @@ def test_a_run_evaluates_on_held_workers_and_filters_groups(tmp_path, shared_ray
     counters = result["counters"]
     assert counters["groups_filtered"] + counters["groups_filter_over_limit"] > 0
     assert steps[-1]["count/groups_filtered"] == counters["groups_filtered"]
-    assert (tmp_path / "reward.png").exists()
+    assert (tmp_path / "reward.png").exists() and (tmp_path / "tensorboard").is_dir()  # run.plots, run.tensorboard on

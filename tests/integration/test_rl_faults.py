@@ -258,6 +258,8 @@ def test_sigkill_worker_mid_run(tmp_path, shared_ray, captured, transport):
 
     assert result["counters"]["workers_lost"] >= 1 and result["queue"]["lost"] >= 1
     assert not pid_alive(striker.pid)
+    # small_config turns run.plots and run.tensorboard off: neither writes (test_eval_ray's run has them on)
+    assert not list(tmp_path.glob("*.png")) and not (tmp_path / "tensorboard").exists()
     m = result["metrics"]
     assert m["workers/alive"] == m["workers/target"] == cfg.rollout.num_workers, "no replacement came up"
     check_trained_once(tmp_path, result, captured.groups, cfg.train.steps)
