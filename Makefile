@@ -8,11 +8,11 @@ STAMP := $(VENV)/.moerl-installed
 
 .PHONY: demo test test-gpu venv clean
 
-# uv installs the ~150 wheels in seconds where pip takes 70-80 s on the 2-core box (the suite's 10-minute budget
-# includes the venv). --compile-bytecode as pip does: with PYTHONDONTWRITEBYTECODE set (as on this box) a venv without
-# .pyc files compiles torch in every process it starts, and the suite ran 2x slower. pip fetches uv into the venv; uv is given the wheel directories pip is configured with
-# (`pip config get global.find-links`: where the CPU torch lies). Should uv be missing or fail (USE_UV=0 to skip
-# it), pip installs it all.
+# uv installs the ~150 wheels in 31 s where pip takes 70-80 s on the 2-core box (the suite's 10-minute budget
+# includes the venv). --compile-bytecode as pip does: with PYTHONDONTWRITEBYTECODE set (as on this box) a venv
+# without .pyc files compiles torch in every process it starts, and the suite ran 2x slower. pip fetches uv into
+# the venv; uv is given the wheel directories pip is configured with (`pip config get global.find-links`: where
+# the CPU torch lies). Should uv be missing or fail (USE_UV=0 to skip it), pip installs it all.
 USE_UV ?= 1
 UV := $(VENV)/bin/uv
 UV_FIND := $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)),--find-links $(d))

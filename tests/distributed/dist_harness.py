@@ -79,7 +79,8 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, grace: float =
     with tempfile.TemporaryDirectory(prefix="moerl-dist-") as report_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_bootstrap, args=(r, world_size, port, report_dir, fn, args, dict(os.environ)), daemon=True)
+            ctx.Process(target=_bootstrap, args=(r, world_size, port, report_dir, fn, args, dict(os.environ)),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
