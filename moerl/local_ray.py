@@ -4,7 +4,7 @@ directory only this user can enter.
     loopback_env(local=True)            # before Ray is imported: token auth, and 127.0.0.1 as the node's address
     token = RunToken(); token.open()    # just before ray.init: the run's private (0700) directory, a fresh token
     ray.init(_temp_dir=token.ray_temp_dir, ...)
-    ray.shutdown(); token.close()       # the directory and all in it are gone
+    shutdown_held(); token.close()      # Ray's processes killed at once, then the directory and all in it go
 
 Ray takes the address a node listens on from its node IP, and `ray.init(_node_ip_address="127.0.0.1")` does not
 hold: Ray swaps a loopback address for the host's routed one. Its own switch for single-machine Ray
@@ -29,6 +29,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -151,3 +152,46 @@ def _temp_base() -> str:
     for AF_UNIX (107 bytes): then /tmp."""
     base = tempfile.gettempdir()
     return base if len(base) <= 40 else "/tmp"
+
+
+def shutdown_held() -> None:
+    """`ray.shutdown()` for a local Ray this process started with SIGTERM held (moerl/startup.py). Ray sends each of
+    its processes SIGTERM and waits a second before SIGKILL (`allow_graceful`): five processes that hold SIGTERM
+    took 5 s of every run's exit for nothing. They get SIGKILL at once, as they would a second later. So do the
+    raylet's children (its dashboard and runtime-env agents, its workers): killed at once with the raylet, the
+    agents outlived it (Ray's own wait gave them time to see it go). Any other Ray (joined, or started without the
+    hold) gets a plain `ray.shutdown()`; so does this one where Ray's node object is not where this looks."""
+    import ray
+
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    kill_all = getattr(node, "kill_all_processes", None)
+    if kill_all is None or not hasattr(node, "all_processes"):
+        ray.shutdown()
+        return
+    raylets = [info.process.pid for info in node.all_processes.get("raylet", [])]
+    children = [(pid, process_start(pid)) for pid in _children(raylets)]
+    node.kill_all_processes = lambda check_alive=True, allow_graceful=False, wait=False: kill_all(
+        check_alive=check_alive, allow_graceful=False, wait=wait)
+    ray.shutdown()
+    for pid, start in children:
+        if process_alive(pid, start):  # the same process (start tick), not a later one given its pid
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _children(parents: list[int]) -> list[int]:
+    """The processes whose parent is one of `parents` (Linux's /proc; none elsewhere)."""
+    found = []
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after the command name (may hold ')')
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid in parents:
+            found.append(pid)
+    return found

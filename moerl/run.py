@@ -519,7 +519,7 @@ def train(cfg: MoerlConfig, *, resume: bool = False, resume_step: int | None = N
                     report.finish()  # never raises; the final plots are written while Ray shuts down
                 checkpointer.close()  # its save job's Ray calls end here
                 if ours and ray.is_initialized():
-                    ray.shutdown()
+                    local_ray.shutdown_held()  # ours holds SIGTERM: SIGKILL at once (ray.shutdown() waits 5 s)
         finally:
             ray_thread.set()
             token.close()

@@ -13,8 +13,9 @@ shuts down what it started and releases its locks (exit 130 / 143: nothing was t
 hold_sigterm: the call runs with SIGTERM blocked in its thread, so every process it starts inherits the block. A
 local Ray's GCS, raylet, agents and (through the raylet) its workers then leave a SIGTERM sent to the whole
 process group (Slurm's scancel, systemd's stop, `kill -- -PGID`) to the driver, which saves and then shuts them
-down; they used to die of it at once, and the run with them (issue 37 item 1). The cost: `ray.shutdown()` waits
-its 1 s per process for a SIGTERM they no longer act on, then kills them. Standard library only.
+down; they used to die of it at once, and the run with them (issue 37 item 1). `ray.shutdown()` would wait its 1 s
+per process for a SIGTERM they no longer act on (5 s): the run shuts them down with local_ray.shutdown_held(), which
+kills them at once. Standard library only.
 """
 
 from __future__ import annotations

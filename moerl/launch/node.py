@@ -151,7 +151,8 @@ def run_node(node: RayNode, stop: threading.Event, head: tuple[str, int], lost_s
              on_stop: Callable[[], None] | None = None, linger_s: float = 0.0) -> str:
     """Watch `node` until it exits ("exited"), `stop` is set ("stopped": `on_stop`, then the node stops, after
     lingering up to `linger_s` while the head is still up) or the head has refused connections for `lost_s`
-    ("head lost": the node stops)."""
+    ("head lost": the node stops). The head is checked every 5 s, or twice within `lost_s` when that is shorter."""
+    every_s = min(5.0, max(lost_s / 2, 0.5))
     last_seen = next_check = time.monotonic()
     while node.alive():
         if stop.wait(0.5):
@@ -161,7 +162,7 @@ def run_node(node: RayNode, stop: threading.Event, head: tuple[str, int], lost_s
             node.stop()
             return "stopped"
         if time.monotonic() >= next_check:
-            next_check = time.monotonic() + 5
+            next_check = time.monotonic() + every_s
             if wait_for_head(*head, deadline=time.monotonic() + 0.1):
                 last_seen = time.monotonic()
             elif time.monotonic() - last_seen > lost_s:
@@ -210,9 +211,9 @@ def cmd_trainer(a: argparse.Namespace) -> int:
             return 1
         deadline = time.monotonic() + a.wait_s
         while True:
-            # drain_s=5: this node stops once the head has (after rank 0's save): Ray's drain would wait 30 s for a
-            # GCS that is gone
-            node = RayNode(f"--address={host}:{port}", drain_s=5)
+            # drain_s=0: this node stops once the head has (after rank 0's save), and Ray's drain is a request to the
+            # head's GCS: it waited out its whole timeout (30 s by default, then 5) for a GCS that was gone
+            node = RayNode(f"--address={host}:{port}", drain_s=0)
             how = run_node(node, stop, (host, port), a.lost_s, linger_s=max(a.grace_s - 10, 0))
             if how == "exited" and node.failed_to_start() and time.monotonic() < deadline and not stop.is_set():
                 _log(f"`ray start` failed (exit {node.proc.returncode}); joining {host}:{port} again")
@@ -266,7 +267,7 @@ def _wait_for_nodes(address: str, nodes: int, wait_s: float) -> None:
                 return
             if time.monotonic() > deadline:
                 raise SystemExit(f"error: only {len(alive)}/{nodes} trainer nodes joined within {wait_s} s")
-            time.sleep(5)
+            time.sleep(1)
     finally:
         ray.shutdown()
 

@@ -59,9 +59,9 @@ def wait_for_head(head: str, procs: dict[str, subprocess.Popen], timeout: float 
             time.sleep(0.2)
 
 
-# The rollout pod: joins the head, leaves once the head has been unreachable for 1 s (checked every 5 s), then waits
-# 3 s for another head before it says the trainer job is over (exit 0).
-ROLLOUT_WAIT = ["--wait-s", "3", "--lost-s", "1"]
+# The rollout pod: joins the head, leaves once the head has been unreachable for 1 s (checked every 0.5 s), then
+# waits 1 s for another head before it says the trainer job is over (exit 0).
+ROLLOUT_WAIT = ["--wait-s", "1", "--lost-s", "1"]
 
 
 @pytest.mark.timeout(150)

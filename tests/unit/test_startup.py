@@ -106,3 +106,56 @@ def test_placing_trainer_ranks_has_a_deadline_naming_them_and_a_stop_ends_it():
     with pytest.raises(StartupStopped):
         wait_up(refs, 600.0, lambda: True, "x", 600.0, wait=wait, clock=_jumping_clock(0.0))
     wait_up(refs, 600.0, lambda: True, "x", 600.0, wait=lambda refs, num_returns, timeout: (refs, []))
+
+
+def test_a_held_ray_is_killed_at_once_and_so_are_its_raylets_children(monkeypatch):
+    """local_ray.shutdown_held: Ray's own shutdown runs without its graceful SIGTERM (which Ray's processes hold, so
+    each cost a 1 s wait), and what the raylet started (agents, workers: they outlived a raylet killed at once)
+    is killed after it. A stand-in node: a shell as the raylet, with a child of its own."""
+    import os
+    import subprocess
+    import time
+
+    import ray
+
+    from moerl import local_ray
+    from moerl.launch.node import _running as running  # alive and not a zombie (an orphan init has yet to reap)
+
+    raylet = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    child = int(raylet.stdout.readline())
+    calls = []
+
+    class Node:
+        all_processes = {"raylet": [type("Info", (), {"process": raylet})()]}
+
+        def kill_all_processes(self, check_alive=True, allow_graceful=False, wait=False):
+            calls.append(allow_graceful)
+            raylet.kill()
+            raylet.wait()
+
+    node = Node()
+    monkeypatch.setattr(ray._private.worker, "_global_node", node)
+    # as ray.shutdown() does: kill_all_processes(check_alive=False, allow_graceful=True, ...)
+    monkeypatch.setattr(ray, "shutdown", lambda: node.kill_all_processes(check_alive=False, allow_graceful=True))
+    try:
+        local_ray.shutdown_held()
+        assert calls == [False]  # SIGKILL at once: no SIGTERM that Ray's processes would hold
+        deadline = time.monotonic() + 30  # the SIGKILL is sent before shutdown_held returns; its effect is seen
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(child), "the raylet's child outlived it"
+    finally:
+        if running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_shutdown_held_falls_back_to_a_plain_shutdown_where_rays_node_is_not_found(monkeypatch):
+    import ray
+
+    from moerl import local_ray
+
+    calls = []
+    monkeypatch.setattr(ray._private.worker, "_global_node", None)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    local_ray.shutdown_held()
+    assert calls == ["shutdown"]
