@@ -30,7 +30,7 @@ from typing import Callable
 
 import ray
 
-from moerl.actors.pools import RayTrainerGroup, TrainerLost
+from moerl.actors.pools import RayTrainerGroup, TrainerLost, trainer_lost
 from moerl.checkpoint import (
     CONTROLLER_FILE, SERVING_DIR, TRAINER_DIR, CheckpointStore, decode_controller_state, encode_controller_state,
 )
@@ -120,7 +120,10 @@ class Checkpointer:
                     raise CheckpointError("the run ended before the trainer's uploads finished")
                 left = deadline - time.monotonic()
                 if not ray.wait(refs, num_returns=len(refs), timeout=max(min(left, _RAY_SLICE_S), 0))[1]:
-                    return ray.get(refs)
+                    try:
+                        return ray.get(refs)
+                    except ray.exceptions.RayActorError as e:  # one line naming the rank, as a step's would be
+                        raise trainer_lost(refs, e, "a checkpoint save") from None
             if left <= _RAY_SLICE_S:
                 raise TimeoutError(f"the trainer's uploads did not finish within checkpoint.timeout_s="
                                    f"{self.timeout_s:g} s")
@@ -182,8 +185,10 @@ class Checkpointer:
         self.pending = None
         try:
             job.result(timeout=self.timeout_s)
-        except ray.exceptions.RayActorError:
-            raise  # a dead trainer rank: the run ends (pools.TrainerLost names it), not a storage fault
+        except TrainerLost:
+            raise  # a dead trainer rank: the run ends, naming it (not a storage fault)
+        except ray.exceptions.RayActorError as e:
+            raise TrainerLost(f"a trainer rank died during a checkpoint save ({type(e).__name__})") from None
         except Exception as e:  # noqa: BLE001 - an upload or a write that failed: the step stays uncommitted
             if not job.done():
                 e = TimeoutError(f"the save did not finish within checkpoint.timeout_s={self.timeout_s:g} s")

@@ -38,6 +38,21 @@ def _has_rollout_nodes() -> bool:
     return any(n["Alive"] and n["Resources"].get("rollout", 0) > 0 for n in ray.nodes())
 
 
+def trainer_lost(refs: list, error: Exception, what: str) -> TrainerLost:
+    """The run's one line for a rank that died while `refs` (one per rank, in rank order) were awaited."""
+    dead = []
+    for i, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            dead.append(i)
+        except Exception:  # noqa: BLE001 - not done, or failed otherwise: not the dead one
+            pass
+    cause = next((line.strip() for line in str(error).splitlines() if "exit" in line.lower()
+                  or "died" in line.lower()), type(error).__name__)
+    return TrainerLost(f"trainer rank {', '.join(map(str, dead)) or '?'} died during {what} ({cause})")
+
+
 class RayTrainerGroup:
     """N trainer ranks forming one torch.distributed group; a step is one call on every rank."""
 
@@ -75,17 +90,7 @@ class RayTrainerGroup:
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayActorError as e:
-            dead = []
-            for i, ref in enumerate(refs):
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
-                    dead.append(i)
-                except Exception:  # noqa: BLE001 - not done, or failed otherwise: not the dead one
-                    pass
-            cause = next((line.strip() for line in str(e).splitlines() if "exit" in line.lower()
-                          or "died" in line.lower()), type(e).__name__)
-            raise TrainerLost(f"trainer rank {', '.join(map(str, dead)) or '?'} died during {what} ({cause})") from None
+            raise trainer_lost(refs, e, what) from None
 
     def save_state(self, path: str, use_async: bool, target=None) -> None:
         """Every rank stages its state; the upload goes on in the background (`save_done`). target: the step,

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import pytest
 
 from moerl.actors.checkpointer import Checkpointer
+from moerl.actors.pools import TrainerLost
 from moerl.checkpoint import CheckpointStore
 from moerl.config import load_config
 from moerl.model import tiny_config
@@ -370,3 +371,32 @@ def test_a_failed_save_names_the_ranks_own_cause_not_rays_wrapper(tmp_path, monk
                                                  "OSError: ")
     assert all(n in text for n in needles), text
     assert "ray::" not in text and "actor_id" not in text and "RayTaskError" not in text
+
+
+def test_a_rank_that_dies_during_a_save_ends_the_run_naming_it(tmp_path, monkeypatch):
+    """A trainer rank killed while its save uploads: the save job's wait saw the death first and the run ended with
+    a raw ActorDiedError (CI caught it), not the rank's line that run.py adds the checkpoint to resume from."""
+    import ray
+
+    from moerl.actors import checkpointer
+
+    def upload(error=None):
+        f = Future()
+        f.set_exception(error) if error else f.set_result({})
+        return f
+
+    class _RankOneDies:
+        def save_state(self, path, use_async, target=None):
+            pass
+
+        def save_done(self):
+            return [upload(), upload(ray.exceptions.ActorDiedError())]
+
+    def get(refs, timeout=None):
+        return [f.result() for f in refs] if isinstance(refs, list) else refs.result()
+    monkeypatch.setattr(checkpointer.ray, "wait", lambda refs, num_returns=1, timeout=None: (refs, []))
+    monkeypatch.setattr(checkpointer.ray, "get", get)
+    ckpt = Checkpointer(str(tmp_path / "ckpts"), keep=2, arch=tiny_config(), fingerprint={}, use_async=False)
+    with pytest.raises(TrainerLost, match=r"^trainer rank 1 died during a checkpoint save \("):
+        ckpt.save(4, _RankOneDies(), {"step": 4})
+    assert ckpt.store.latest_step() is None
