@@ -37,7 +37,7 @@ from moerl.run_dir import RunLock
 from moerl.rollout import EngineConfig, SamplingParams
 from moerl.startup import StartupStopped, run_within
 from moerl.tasks.base import Task, stop_token_ids
-from moerl.train.trainer import Sample
+from moerl.train.sample import Sample
 
 
 def model_architecture(cfg: MoerlConfig, task: Task) -> MoEModelConfig:
@@ -339,9 +339,10 @@ def _init_ray(cfg: MoerlConfig, token: local_ray.RunToken, stop: Callable[[], bo
     if loopback:  # gloo's connections of a local run stay on loopback (by default it listens on the host's IP)
         env_vars["GLOO_SOCKET_IFNAME"] = loopback
     what = f"joining the Ray cluster at {address}" if address else "starting a local Ray"
-    with local_ray.quiet_thread_warning():
-        run_within(lambda: ray.init(**init, log_to_driver=cfg.run.log_level == "debug",
-                                    runtime_env={"env_vars": env_vars}),
+    if address:  # a cluster's workers take the run's environment from Ray's runtime env
+        init["runtime_env"] = {"env_vars": env_vars}
+    with local_ray.quiet_thread_warning(), local_ray.inherited_env({} if address else env_vars):
+        run_within(lambda: ray.init(**init, log_to_driver=cfg.run.log_level == "debug"),
                    deadline_s=cfg.ray.start_timeout_s, what=what, key="ray.start_timeout_s", stop=stop,
                    hold_sigterm=True, keep_until=keep)
     return True

@@ -25,8 +25,8 @@ from moerl.loop.evaluation import EvalRequest, EvalResult
 from moerl.loop.types import GroupResult, GroupTask
 from moerl.loop.work_queue import WorkQueue
 from moerl.startup import StartupStopped, StartupTimeout
-from moerl.train.trainer import merge_rank_metrics
 from moerl.train.batching import split_by_tokens
+from moerl.train.step_metrics import merge_rank_metrics
 
 
 class TrainerLost(RuntimeError):

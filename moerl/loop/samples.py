@@ -11,7 +11,7 @@ import torch
 from moerl.loop.types import GroupResult
 from moerl.tasks.base import Task, completion_text
 from moerl.train.loss import group_advantages
-from moerl.train.trainer import Sample
+from moerl.train.sample import Sample
 
 
 class SampleBuilder:

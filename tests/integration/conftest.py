@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from moerl.local_ray import inherited_env
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 NUM_CPUS = 2  # configs/demo.toml's ray.num_cpus: the Ray `train` would start for the demo config
@@ -68,8 +70,9 @@ class SuiteRay:
         if ray.is_initialized():
             return
         self.temp_dir = tempfile.mkdtemp(prefix="mrs", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-        ray.init(num_cpus=NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                 _temp_dir=self.temp_dir, runtime_env={"env_vars": _worker_env()})
+        with inherited_env(_worker_env()):  # as `train` starts a local Ray
+            ray.init(num_cpus=NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                     _temp_dir=self.temp_dir)
 
     def stop(self) -> None:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():

@@ -116,3 +116,21 @@ def test_stale_private_directories_go_at_the_next_start_only_when_their_owner_is
         assert owner["pid"] == os.getpid()
     finally:
         token.close()
+
+
+def test_a_local_rays_processes_inherit_the_run_env_and_this_process_gets_its_own_back(monkeypatch):
+    """The raylet (and so every worker) inherits what `inherited_env` sets while Ray starts; after, this process's
+    environment is as it was (a key that was unset is unset again)."""
+    import os
+    import subprocess
+    import sys
+
+    from moerl.local_ray import inherited_env
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    with inherited_env({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}):
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'], "
+                                "os.environ['GLOO_SOCKET_IFNAME'])"], capture_output=True, text=True, check=True)
+    assert child.stdout.split() == ["1", "lo"]
+    assert os.environ["OMP_NUM_THREADS"] == "7" and "GLOO_SOCKET_IFNAME" not in os.environ
