@@ -115,6 +115,7 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
     save commits with both ranks' state. The rollout pod leaves by itself once the head is gone (its SIGTERM
     drain, tests/unit/test_launch_node.py, would signal every `ray::RolloutWorker` on this machine)."""
     import signal
+    import threading
     import time
 
     import ray
@@ -126,38 +127,52 @@ def test_drain_sigterm_to_every_trainer_pod_still_saves(tmp_path: Path, env: dic
         port = s.getsockname()[1]
     head = f"{ray.util.get_node_ip_address()}:{port}"
     run_dir, node = tmp_path / "run", [sys.executable, "-m", "moerl.launch.node"]
-    procs = {
-        "rank0": subprocess.Popen([*node, "trainer", "--rank", "0", "--nodes", "2", "--port", str(port),
-                                   "--wait-s", "120", "--config", str(DEMO), "--train.steps=2000", "--train.sft_steps=0",
-                                   "--train.num_ranks=2", "--rollout.num_workers=1", "--checkpoint.every=100000",
-                                   "--train.batch_groups=2", "--rollout.group_size=4", *QUIET,
-                                   f"--run.dir={run_dir}"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True),
-        "rank1": subprocess.Popen([*node, "trainer", "--rank", "1", "--head", head, "--wait-s", "120",
-                                   "--grace-s", "90"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True),
-    }
-    out: dict[str, str] = {}
-    try:
-        wait_for_head(head, procs)
-        procs["rollout"] = subprocess.Popen([*node, "rollout", "--head", head, *ROLLOUT_WAIT], env=env, cwd=tmp_path,
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 200
-        while not ((run_dir / "metrics.jsonl").exists() and any(m["step"] >= 2 for m in metrics(run_dir))):
+    lines: dict[str, list[str]] = {}
+    readers: list[threading.Thread] = []
+
+    def start(name: str, *args: str) -> None:  # its output read as it comes, so the test can wait on a line
+        procs[name] = subprocess.Popen([*node, *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+        lines[name] = []
+        readers.append(threading.Thread(target=lambda: lines[name].extend(procs[name].stdout), daemon=True))
+        readers[-1].start()
+
+    def wait_until(done, what: str, limit_s: float = 200) -> None:
+        deadline = time.monotonic() + limit_s
+        while not done():
             dead = next((k for k, p in procs.items() if p.poll() is not None), None)
-            assert dead is None, f"{dead} exited ({procs[dead].poll()}): {procs[dead].communicate()[0][-3000:]}"
-            assert time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.5)
+            assert dead is None, f"{dead} exited ({procs[dead].poll()}): {''.join(lines[dead])[-3000:]}"
+            assert time.monotonic() < deadline, f"{what} not within {limit_s} s"
+            time.sleep(0.2)
+
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        start("rank0", "trainer", "--rank", "0", "--nodes", "2", "--port", str(port), "--wait-s", "120", "--config",
+              str(DEMO), "--train.steps=2000", "--train.sft_steps=0", "--train.num_ranks=2",
+              "--rollout.num_workers=1", "--checkpoint.every=100000", "--train.batch_groups=2",
+              "--rollout.group_size=4", *QUIET, f"--run.dir={run_dir}")
+        wait_for_head(head, procs)
+        # The rollout node joins before trainer rank 1's (so before rank 0's run starts): the ranks then keep to
+        # the trainer nodes. Started together, the rollout node came after the trainer ranks were placed now and
+        # then, and the test ran 15 s longer.
+        start("rollout", "rollout", "--head", head, *ROLLOUT_WAIT)
+        wait_until(lambda: any("Ray runtime started" in line for line in lines["rollout"]), "the rollout node up")
+        start("rank1", "trainer", "--rank", "1", "--head", head, "--wait-s", "120", "--grace-s", "90")
+        wait_until(lambda: (run_dir / "metrics.jsonl").exists() and any(m["step"] >= 2 for m in metrics(run_dir)),
+                   "the run at step 2")
         for name in ("rank0", "rank1"):  # the drain: both trainer pods at once
             procs[name].send_signal(signal.SIGTERM)
         for name in ("rank0", "rank1"):
-            out[name], _ = procs[name].communicate(timeout=150)
-        out["rollout"], _ = procs["rollout"].communicate(timeout=60)
+            procs[name].wait(timeout=150)
+        procs["rollout"].wait(timeout=60)
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
+    for reader in readers:  # each ends at its process's end of output
+        reader.join(timeout=30)
+    out = {name: "".join(got) for name, got in lines.items()}
     assert "stays up for rank 0's shutdown save" in out["rank1"], out["rank1"][-2000:]
     assert procs["rollout"].returncode == 0 and "the trainer job is over" in out["rollout"], out["rollout"][-2000:]
     store = CheckpointStore(str(run_dir / "checkpoints"))
