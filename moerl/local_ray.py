@@ -34,7 +34,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from moerl.run_dir import process_alive, process_start
+from moerl.run_dir import proc_stat, process_alive, process_start
 
 LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address is 127.0.0.1 (ray/_private/services.py)
 TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
@@ -199,17 +199,8 @@ def shutdown_held() -> None:
 
 def _children(parents: list[int]) -> list[int]:
     """The processes whose parent is one of `parents` (Linux's /proc; none elsewhere)."""
-    found = []
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
-        return found
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after the command name (may hold ')')
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid in parents:
-            found.append(pid)
-    return found
+        return []
+    return [pid for pid in pids if (fields := proc_stat(pid)) and int(fields[1]) in parents]

@@ -35,13 +35,19 @@ from moerl.preflight import PreflightError
 LOCK_FILE = "moerl.lock"
 
 
-def process_start(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None where unknown."""
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (which may hold spaces and ')'): [0] the state, [1] the
+    parent's pid, [19] the start time; None where unknown (no such process, not Linux)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[-1].split()[19]  # after the command name, which may hold spaces and ')'
+
+
+def process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None where unknown."""
+    fields = proc_stat(pid)
+    return fields[19] if fields else None
 
 
 def process_alive(pid: int, proc_start: str | None) -> bool:
