@@ -5,8 +5,9 @@ start however long it waits), the third joins when its node comes and takes work
 twice.
 
 No timing is relied on: the run cannot finish without the late worker. GatedTask's reward holds the early
-workers' groups of prompts >= GATED (the run needs more prompts than that) until the late worker has scored a
-group, and the node is added once step 1 is logged.
+workers' groups of prompts >= GATED (the run needs more prompts than that) until a worker on the added node (the
+late one) has scored a group, and the node is added once step 1 is logged. The late worker is told by its node,
+not by its name: which of the three Ray leaves waiting is its choice (rollout-2 came up first in one CI run).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.integration.test_rl_faults import captured, check_trained_once, last_
 
 REPO = Path(__file__).resolve().parents[2]
 GATE_ENV = "MOERL_TEST_FLEET_GATE"
-LATE = "RolloutWorker-rollout-2"  # the third worker asked for: the one without room until the node comes
+EARLY_NODES = "early-nodes"  # in the gate directory: the nodes up before the run; a worker elsewhere came late
 START_S = 12  # rollout.start_timeout_s: the late worker waits for its node longer than this
 GATED = 8  # prompts at this index and after wait on the early workers until the late one has worked
 pytestmark = pytest.mark.integration
@@ -36,10 +37,12 @@ class GatedTask(ArithmeticTask):
         import ray
 
         gate = Path(os.environ[GATE_ENV])
-        name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
-        if name == LATE:
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        if node is None:  # not on a Ray worker (the test's own process)
+            return super().reward(prompt, completion_token_ids)
+        if node not in (gate / EARLY_NODES).read_text().split():
             (gate / "late-worked").touch()
-        elif name and int(prompt.task_id.rsplit("-", 1)[1]) >= GATED:
+        elif int(prompt.task_id.rsplit("-", 1)[1]) >= GATED:
             deadline = time.monotonic() + 90  # the test fails on its own assertions past this
             while not (gate / "late-worked").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -68,6 +71,7 @@ def cluster(tmp_path, monkeypatch, no_ray):
     try:
         nodes.add_node(num_cpus=2, resources={"rollout": 1})
         ray.init(address=nodes.address)
+        (tmp_path / "gate" / EARLY_NODES).write_text("\n".join(n["NodeID"] for n in ray.nodes() if n["Alive"]))
         yield nodes
     finally:
         if ray.is_initialized():
@@ -108,9 +112,10 @@ def test_late_workers_join_a_running_fleet(tmp_path, cluster, captured, capfd): 
     assert metrics[-1]["workers/waiting"] == 0
     # Waiting for capacity for longer than rollout.start_timeout_s was not a failed start.
     assert result["counters"]["workers_lost"] == 0
-    assert any(g.worker_id == "rollout-2" for g in captured.groups), "the late worker trained nothing"
     check_trained_once(run_dir, result, captured.groups, cfg.train.steps)
     out = capfd.readouterr().err  # the run's event lines (the reporter writes to stderr)
     assert re.search(r"rollout workers: \d of 3 up, 1 waiting for capacity", out), out[-3000:]
-    assert "rollout worker rollout-2 up (3 of 3 up)" in out, out[-3000:]
+    late = re.search(r"rollout worker (rollout-\d) up \(3 of 3 up\)", out)  # the one that waited for the node
+    assert late, out[-3000:]
+    assert any(g.worker_id == late.group(1) for g in captured.groups), "the late worker trained nothing"
     print(result["counters"], result["queue"], *[line for line in out.splitlines() if "rollout worker" in line], sep="\n")
